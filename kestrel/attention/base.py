@@ -1,0 +1,46 @@
+"""AttentionBackend: the interface every attention implementation (torch, triton, flashinfer) provides.
+
+Paged KV cache, one pair of tensors per layer:
+
+    k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim]
+      token p of sequence s lives at block_table[s, p // block_size], offset p % block_size
+      flat slot = block * block_size + offset   (slot_mapping holds these for the new tokens)
+
+forward() first writes the step's new K/V into the cache at slot_mapping (slot -1: skip), then attends each
+query token to every cached token of its sequence at or before its own position:
+    query i of sequence s sits at position kv_lens[s] - query_len[s] + i.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+
+from kestrel.engine.batch import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    name: str = "base"
+
+    def prepare(self, batch: ForwardBatch) -> None:
+        """Build per-step metadata shared by all layers (called once per forward, before the layers)."""
+
+    @abstractmethod
+    def forward(
+        self,
+        q: torch.Tensor,        # [T, num_heads, head_dim]
+        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
+        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        v_cache: torch.Tensor,
+        batch: ForwardBatch,
+        scale: float,
+    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+        ...
+
+    # CUDA-graph hooks: a backend that keeps metadata on the device copies it into static buffers here.
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        """Allocate static metadata buffers shared by every captured graph."""
+
+    def supports_graphs(self) -> bool:
+        return False

@@ -1,0 +1,65 @@
+"""Reference attention in plain torch (CPU and CUDA): the oracle the fast backends are checked against."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.engine.batch import ForwardBatch
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write each new token's K/V at its flat slot; slot -1 (padding) is skipped."""
+    keep = slot_mapping >= 0
+    slots = slot_mapping[keep]
+    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
+    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
+
+
+def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -> torch.Tensor:
+    """[num_blocks, block_size, H, D] paged -> [S, max_kv_len, H, D] contiguous (padding holds junk)."""
+    block_size = cache.shape[1]
+    num_blocks = (max_kv_len + block_size - 1) // block_size
+    table = block_table[:, :num_blocks].clamp(min=0).long()
+    dense = cache[table]                                  # [S, nb, bs, H, D]
+    return dense.flatten(1, 2)[:, :max_kv_len]
+
+
+def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                    query_start_loc: torch.Tensor, kv_lens: torch.Tensor, max_query_len: int, max_kv_len: int,
+                    scale: float) -> torch.Tensor:
+    """Causal attention of ragged queries [T, Hq, D] over the paged cache; returns [T, Hq, D]."""
+    num_seqs = kv_lens.shape[0]
+    num_heads, head_dim = q.shape[1], q.shape[2]
+    num_kv_heads = k_cache.shape[2]
+    device = q.device
+    q_lens = (query_start_loc[1:] - query_start_loc[:-1]).long()
+    # Scatter the ragged queries into a padded [S, max_q, Hq, D] block.
+    token_seq = torch.repeat_interleave(torch.arange(num_seqs, device=device), q_lens)
+    token_idx = torch.arange(q.shape[0], device=device) - query_start_loc[:-1].long()[token_seq]
+    q_pad = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
+    q_pad[token_seq, token_idx] = q
+    keys = gather_kv(k_cache, block_table, max_kv_len).to(q.dtype)
+    values = gather_kv(v_cache, block_table, max_kv_len).to(q.dtype)
+    group = num_heads // num_kv_heads
+    keys = keys.repeat_interleave(group, dim=2)           # GQA: each kv head serves `group` query heads
+    values = values.repeat_interleave(group, dim=2)
+    # Query i of sequence s sits at position kv_len - q_len + i and sees keys at positions <= that.
+    q_pos = (kv_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
+    k_pos = torch.arange(max_kv_len, device=device)
+    mask = k_pos[None, None, :] <= q_pos[:, :, None]      # [S, max_q, max_kv]
+    mask &= k_pos[None, None, :] < kv_lens.long()[:, None, None]
+    scores = torch.einsum("sqhd,skhd->shqk", q_pad.float(), keys.float()) * scale
+    scores = scores.masked_fill(~mask[:, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows are padding
+    out = torch.einsum("shqk,skhd->sqhd", probs, values.float())
+    return out[token_seq, token_idx].to(q.dtype)
+
+
+class TorchAttentionBackend(AttentionBackend):
+    name = "torch"
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,
+                               batch.max_query_len, batch.max_kv_len, scale)

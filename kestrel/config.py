@@ -1,0 +1,122 @@
+"""EngineConfig: one frozen dataclass built from CLI flags or `LLM(...)` keywords with the same names."""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass
+from pathlib import Path
+
+from kestrel.errors import KestrelError
+
+DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel-tiny"
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    model: str | None = None               # checkpoint directory; None -> the embedded default model
+    tokenizer: str | None = None           # defaults to `model`
+    device: str = "auto"                   # auto | cpu | cuda | cuda:N
+    dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
+    seed: int = 0
+    block_size: int = 16
+    gpu_memory_utilization: float = 0.90   # CUDA: fraction of device memory for weights + activations + KV
+    kv_cache_memory: int | None = None     # bytes; CPU default 1 GiB (capped by what max_num_seqs can use)
+    num_gpu_blocks_override: int | None = None  # tests: force a tiny cache to exercise preemption
+    max_model_len: int | None = None       # defaults to the config's max_position_embeddings
+    max_num_seqs: int = 256
+    max_num_batched_tokens: int = 8192     # token budget of one step (chunked prefill + decodes)
+    disable_cuda_graph: bool = False
+    cuda_graph_max_bs: int = 256
+    attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
+    disable_prefix_cache: bool = False
+    served_model_name: str | None = None
+    load_progress: bool = True
+
+    def __post_init__(self) -> None:
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise KestrelError(f"--block-size {self.block_size} is invalid: expected a power of two >= 1")
+        if not 0.05 <= self.gpu_memory_utilization <= 1.0:
+            raise KestrelError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is invalid: "
+                               "expected a fraction in [0.05, 1]")
+        if self.max_num_seqs < 1:
+            raise KestrelError(f"--max-num-seqs {self.max_num_seqs} is invalid: expected >= 1")
+        if self.max_num_batched_tokens < self.block_size:
+            raise KestrelError(f"--max-num-batched-tokens {self.max_num_batched_tokens} is invalid: "
+                               f"expected >= the block size ({self.block_size})")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
+            raise KestrelError(f"--dtype {self.dtype!r} is invalid: expected auto, float32, bfloat16 or float16")
+        if self.attention_backend not in (None, "triton", "flashinfer", "torch"):
+            raise KestrelError(f"--attention-backend {self.attention_backend!r} is invalid: "
+                               "expected triton, flashinfer or torch")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise KestrelError(f"--kv-cache-memory {self.kv_cache_memory} is invalid: expected bytes > 0")
+
+    @property
+    def model_path(self) -> Path:
+        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+
+    @property
+    def model_name(self) -> str:
+        if self.served_model_name:
+            return self.served_model_name
+        return self.model_path.name
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(kwargs) - names)
+        if unknown:
+            raise KestrelError(f"unknown engine option(s) {unknown}; accepted: {sorted(names)}")
+        return cls(**kwargs)
+
+    @classmethod
+    def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in vars(args).items() if k in names})
+
+
+def parse_bytes(text: str) -> int:
+    """'2GiB', '512MB', '1e9' -> bytes."""
+    units = {"k": 1e3, "m": 1e6, "g": 1e9, "kib": 2**10, "mib": 2**20, "gib": 2**30, "kb": 1e3, "mb": 1e6,
+             "gb": 1e9, "b": 1}
+    t = text.strip().lower()
+    for suffix in sorted(units, key=len, reverse=True):
+        if t.endswith(suffix):
+            try:
+                return int(float(t[: -len(suffix)]) * units[suffix])
+            except ValueError:
+                break
+    try:
+        return int(float(t))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 2GiB, 512MB, 1000000)") from None
+
+
+def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
+    """Flags shared by `kestrel generate`, `serve` and `bench offline`; names follow vLLM/SGLang."""
+    if model_positional:
+        parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory")
+    parser.add_argument("--model", default=None, help="HF checkpoint directory (default: embedded kestrel-tiny)")
+    parser.add_argument("--tokenizer", default=None)
+    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="CPU KV budget, e.g. 2GiB")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--max-num-seqs", type=int, default=256)
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
+    parser.add_argument("--disable-cuda-graph", action="store_true")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None)
+    parser.add_argument("--disable-prefix-cache", action="store_true")
+    parser.add_argument("--served-model-name", default=None)
+
+
+def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    if getattr(args, "model_pos", None):
+        if args.model and args.model != args.model_pos:
+            raise KestrelError(f"model given twice: {args.model_pos!r} and --model {args.model!r}")
+        args.model = args.model_pos
+    return EngineConfig.from_args(args)

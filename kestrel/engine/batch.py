@@ -1,0 +1,106 @@
+"""ForwardBatch: everything one forward pass needs; built by the scheduler, consumed by the runner."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class ForwardBatch:
+    # Sequences are laid out back to back: sequence s owns query tokens
+    #   input_ids[query_start_loc[s] : query_start_loc[s + 1]]
+    # and its K/V for position p lives in the paged cache at
+    #   block_table[s, p // block_size], offset p % block_size.
+    input_ids: torch.Tensor        # [T] int64, all query tokens of all sequences, concatenated
+    positions: torch.Tensor        # [T] int64
+    query_start_loc: torch.Tensor  # [S + 1] int32, cumulative query lengths
+    kv_lens: torch.Tensor          # [S] int32, tokens in the cache after this step (new ones included)
+    block_table: torch.Tensor      # [S, max_blocks] int32, physical block ids, -1 padded
+    slot_mapping: torch.Tensor     # [T] int64, flat cache slot of each new token; -1 means do not write
+    logits_at: torch.Tensor        # [num_outputs] int64, token indices whose logits are wanted
+    max_query_len: int             # host-side copies so kernels need no device->host sync
+    max_kv_len: int
+    capture_hidden_layers: tuple[int, ...] = ()  # layers whose *input* hidden states are returned (EAGLE-3)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.input_ids.shape[0]
+
+    @property
+    def num_seqs(self) -> int:
+        return self.kv_lens.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        """Every sequence has exactly one query token (the shape CUDA graphs capture)."""
+        return self.max_query_len == 1
+
+    def to(self, device: torch.device) -> "ForwardBatch":
+        def move(t: torch.Tensor) -> torch.Tensor:
+            return t.to(device, non_blocking=True)
+
+        return ForwardBatch(
+            input_ids=move(self.input_ids), positions=move(self.positions),
+            query_start_loc=move(self.query_start_loc), kv_lens=move(self.kv_lens),
+            block_table=move(self.block_table), slot_mapping=move(self.slot_mapping),
+            logits_at=move(self.logits_at), max_query_len=self.max_query_len, max_kv_len=self.max_kv_len,
+            capture_hidden_layers=self.capture_hidden_layers,
+        )
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    logits: torch.Tensor                       # [num_outputs, vocab] float32
+    hidden_states: dict[int, torch.Tensor]     # layer -> [T, hidden], for capture_hidden_layers
+
+
+def build_forward_batch(
+    token_ids: list[list[int]],
+    start_positions: list[int],
+    block_tables: list[list[int]],
+    block_size: int,
+    want_logits: list[bool] | None = None,
+    capture_hidden_layers: tuple[int, ...] = (),
+) -> ForwardBatch:
+    """Assemble a ForwardBatch on the CPU from per-sequence query tokens.
+
+    token_ids[s] are the new tokens of sequence s, at positions start_positions[s] + i. When want_logits is
+    given, only sequences with True contribute their last token's logits.
+    """
+    num_seqs = len(token_ids)
+    input_ids: list[int] = []
+    positions: list[int] = []
+    slots: list[int] = []
+    query_start = [0]
+    kv_lens: list[int] = []
+    logits_at: list[int] = []
+    for s in range(num_seqs):
+        toks, start, blocks = token_ids[s], start_positions[s], block_tables[s]
+        assert len(toks) > 0, "a sequence in a batch needs at least one query token"
+        for i, tok in enumerate(toks):
+            pos = start + i
+            input_ids.append(tok)
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+        query_start.append(len(input_ids))
+        kv_lens.append(start + len(toks))
+        if want_logits is None or want_logits[s]:
+            logits_at.append(len(input_ids) - 1)
+    max_blocks = max(len(b) for b in block_tables)
+    table = torch.full((num_seqs, max(max_blocks, 1)), -1, dtype=torch.int32)
+    for s, blocks in enumerate(block_tables):
+        if blocks:
+            table[s, : len(blocks)] = torch.tensor(blocks, dtype=torch.int32)
+    return ForwardBatch(
+        input_ids=torch.tensor(input_ids, dtype=torch.int64),
+        positions=torch.tensor(positions, dtype=torch.int64),
+        query_start_loc=torch.tensor(query_start, dtype=torch.int32),
+        kv_lens=torch.tensor(kv_lens, dtype=torch.int32),
+        block_table=table,
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        logits_at=torch.tensor(logits_at, dtype=torch.int64),
+        max_query_len=max(len(t) for t in token_ids),
+        max_kv_len=max(kv_lens),
+        capture_hidden_layers=capture_hidden_layers,
+    )

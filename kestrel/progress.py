@@ -1,0 +1,84 @@
+"""Startup progress: named phases with a done/total counter, logged with rate and ETA.
+
+Every long step (resolving the model, loading weights, allocating the KV cache, capturing CUDA graphs, warming
+up) reports through a Progress, so a slow start never looks like a hang. The server subclasses it to serve the
+current phase on /health and to run a stall watchdog.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+logger = logging.getLogger("kestrel.startup")
+
+PHASES = ("resolving_model", "loading_weights", "allocating_kv_cache", "capturing_cuda_graphs", "warming_up", "ready")
+
+
+def _fmt(value: float, unit: str) -> str:
+    if unit == "B":
+        return f"{value / 1e9:.2f} GB"
+    return f"{value:.0f}{(' ' + unit) if unit else ''}"
+
+
+class Progress:
+    """Thread-safe phase tracker; log_interval_s throttles the per-update log lines."""
+
+    def __init__(self, log_interval_s: float = 1.0) -> None:
+        self._lock = threading.Lock()
+        self.log_interval_s = log_interval_s
+        self.start_time = time.monotonic()
+        self.phase = "starting"
+        self.total: float | None = None
+        self.done = 0.0
+        self.unit = ""
+        self.phase_start = self.start_time
+        self.last_progress_time = self.start_time   # the stall watchdog reads this
+        self._last_log = 0.0
+        self.phase_durations: dict[str, float] = {}
+
+    def begin(self, phase: str, total: float | None = None, unit: str = "") -> None:
+        with self._lock:
+            now = time.monotonic()
+            if self.phase != "starting":
+                self.phase_durations[self.phase] = now - self.phase_start
+            self.phase, self.total, self.done, self.unit = phase, total, 0.0, unit
+            self.phase_start = self.last_progress_time = now
+            self._last_log = now
+        total_s = f" ({_fmt(total, unit)})" if total else ""
+        logger.info("phase %s started%s", phase, total_s)
+
+    def update(self, done: float) -> None:
+        with self._lock:
+            now = time.monotonic()
+            self.done = done
+            self.last_progress_time = now
+            if now - self._last_log < self.log_interval_s and not (self.total and done >= self.total):
+                return
+            self._last_log = now
+            line = self._describe(now)
+        logger.info(line)
+
+    def ready(self) -> None:
+        self.begin("ready")
+
+    def fraction(self) -> float | None:
+        if self.phase == "ready":
+            return 1.0
+        if not self.total:
+            return None
+        return min(1.0, self.done / self.total)
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def _describe(self, now: float) -> str:
+        spent = max(now - self.phase_start, 1e-9)
+        rate = self.done / spent
+        text = f"{self.phase.replace('_', ' ')} {_fmt(self.done, self.unit)}"
+        if self.total:
+            text += f"/{_fmt(self.total, self.unit)}"
+        text += f", {_fmt(rate, self.unit)}/s"
+        if self.total and rate > 0:
+            text += f", ETA {max(self.total - self.done, 0) / rate:.0f} s"
+        return text
