@@ -30,7 +30,6 @@ class EngineConfig:
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
     served_model_name: str | None = None
-    load_progress: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):

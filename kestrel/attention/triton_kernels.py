@@ -1,0 +1,421 @@
+"""Triton kernels for paged attention: KV store, split-K decode, and ragged extend (prefill / verify).
+
+Cache layout (base.py draws it): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
+token p of sequence s lives at block_table[s, p // block_size], offset p % block_size.
+
+The torch oracle for every kernel is kestrel/attention/torch_ref.py. On CPU tensors the kernels only run under
+Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); that is how the CPU tests run them.
+"""
+from __future__ import annotations
+
+import functools
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = math.log2(math.e)
+MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
+MIN_TOKENS_PER_SPLIT = 256    # below this a split costs more in the reduce than it saves
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# store_kv
+# ---------------------------------------------------------------------------------------------------------------
+
+@triton.jit
+def _store_kv_kernel(
+    k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    stride_kt, stride_kh, stride_vt, stride_vh,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+):
+    token = tl.program_id(0)
+    slot = tl.load(slot_ptr + token).to(tl.int64)
+    if slot >= 0:  # slot -1 marks padding: nothing to write
+        block = slot // BLOCK_SIZE
+        offset = slot % BLOCK_SIZE
+        heads = tl.arange(0, BLOCK_H)
+        dims = tl.arange(0, BLOCK_D)
+        mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
+        k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
+        v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off
+        v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off
+        tl.store(k_dst + heads[:, None] * stride_kc_head + dims[None, :], k.to(k_cache_ptr.dtype.element_ty),
+                 mask=mask)
+        tl.store(v_dst + heads[:, None] * stride_vc_head + dims[None, :], v.to(v_cache_ptr.dtype.element_ty),
+                 mask=mask)
+
+
+def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+             slot_mapping: torch.Tensor) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+    num_tokens, num_kv_heads, head_dim = k.shape
+    if num_tokens == 0:
+        return
+    k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
+    _check_cache(k_cache, v_cache)
+    _store_kv_kernel[(num_tokens,)](
+        k, v, k_cache, v_cache, slot_mapping,
+        k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+    )
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# decode: flash-decoding with split-K
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Stage 1, one program per (sequence, kv head, split): the query heads sharing that kv head ([BLOCK_H, D], padded
+# to 16 rows so tl.dot can use tensor cores) attend to the split's slice of the context and write a normalised
+# partial output and its log2-sum-exp:
+#     partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
+# The slice of split j is [j * per_split, (j + 1) * per_split) clipped to kv_len, with per_split computed on the
+# device from kv_len, so the grid depends only on shapes (CUDA-graph safe) and splits past the end do nothing.
+# Stage 2, one program per (sequence, query head): merge the non-empty splits.
+
+@triton.jit
+def _decode_split_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
+    scale_log2,
+    num_splits,
+    stride_qs, stride_qh,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt,
+    stride_po_s, stride_po_h, stride_po_split,
+    stride_pl_s, stride_pl_h,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    split = tl.program_id(2)
+
+    kv_len = tl.load(kv_lens_ptr + seq)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    if start < end:
+        rows = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + rows
+        row_mask = rows < GROUP
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_H], tl.float32)
+        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+        table_row = block_table_ptr + seq * stride_bt
+        for n0 in range(start, end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_mask = pos < end
+            block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = pos_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_off
+                        + kv_head * stride_kc_head + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off
+                        + kv_head * stride_vc_head + dims[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_H, BLOCK_N]
+            scores = tl.where(pos_mask[None, :], scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out_mask = row_mask[:, None] & dim_mask[None, :]
+        tl.store(part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h + split * stride_po_split
+                 + dims[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h + split, m_i + tl.log2(l_i),
+                 mask=row_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, kv_lens_ptr, out_ptr,
+    num_splits,
+    stride_po_s, stride_po_h, stride_po_split,
+    stride_pl_s, stride_pl_h,
+    stride_os, stride_oh,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+):
+    seq = tl.program_id(0)
+    head = tl.program_id(1)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    used_splits = tl.cdiv(kv_len, per_split)   # non-empty splits form a prefix; 0 when kv_len == 0 (padding)
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+
+    m = float("-inf")
+    total = 0.0
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for split in range(0, used_splits):
+        lse = tl.load(part_lse_ptr + seq * stride_pl_s + head * stride_pl_h + split)
+        part = tl.load(part_out_ptr + seq * stride_po_s + head * stride_po_h + split * stride_po_split + dims,
+                       mask=dim_mask, other=0.0)
+        m_new = tl.maximum(m, lse)
+        alpha = tl.exp2(m - m_new)
+        weight = tl.exp2(lse - m_new)
+        acc = acc * alpha + weight * part
+        total = total * alpha + weight
+        m = m_new
+    out = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
+    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+
+
+@functools.lru_cache(maxsize=None)
+def _num_sms(device_index: int) -> int:
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
+def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
+    """Splits per sequence from shapes only (never from kv_lens), so a captured graph replays any lengths.
+
+    Enough programs to fill the GPU about twice over, but no split shorter than MIN_TOKENS_PER_SPLIT of the
+    table's capacity (max_context = max_blocks * block_size).
+    """
+    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+        if device.type == "cuda" else 8
+    for_occupancy = triton.cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
+    for_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
+    return max(1, min(for_occupancy, for_length, MAX_DECODE_SPLITS))
+
+
+def alloc_decode_partials(max_seqs: int, num_heads: int, head_dim: int,
+                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scratch for decode stage 1: ([max_seqs, Hq, MAX_SPLITS, D], [max_seqs, Hq, MAX_SPLITS]) fp32."""
+    out = torch.empty(max_seqs, num_heads, MAX_DECODE_SPLITS, head_dim, dtype=torch.float32, device=device)
+    lse = torch.empty(max_seqs, num_heads, MAX_DECODE_SPLITS, dtype=torch.float32, device=device)
+    return out, lse
+
+
+def decode_attention(
+    q: torch.Tensor,             # [S, Hq, D], one query token per sequence
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,   # [S, max_blocks] int32
+    kv_lens: torch.Tensor,       # [S] int32, on the device; 0 for padded rows (their output is 0)
+    scale: float,
+    num_splits: int | None = None,
+    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> torch.Tensor:
+    """Attention of each sequence's single query over its whole cached context; no host sync anywhere.
+
+    partials: scratch from alloc_decode_partials with at least S rows (pass static ones under CUDA graphs).
+    """
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} kv heads"
+    _check_cache(k_cache, v_cache)
+    q = _last_dim_contiguous(q)
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, q.device)
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS, f"num_splits {num_splits} not in [1, {MAX_DECODE_SPLITS}]"
+    if partials is None:
+        partials = alloc_decode_partials(num_seqs, num_heads, head_dim, q.device)
+    part_out, part_lse = partials
+    assert part_out.shape[0] >= num_seqs and part_out.shape[1:] == (num_heads, MAX_DECODE_SPLITS, head_dim)
+
+    group = num_heads // num_kv_heads
+    tiles = _decode_tiles(q)
+    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, kv_lens, part_out, part_lse,
+        scale * LOG2E, num_splits,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"], BLOCK_SIZE=block_size,
+        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q),
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+    _decode_reduce_kernel[(num_seqs, num_heads)](
+        part_out, part_lse, kv_lens, out,
+        num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# extend: ragged query chunks (prefill, chunked prefill, speculative verify) over the paged cache
+# ---------------------------------------------------------------------------------------------------------------
+#
+# One program per (query tile, sequence, query head). Query i of sequence s sits at position
+# kv_len - q_len + i and sees keys at positions <= its own; the new tokens are already in the cache, so the
+# keys are read from the cache only. The loop stops at the tile's last query position (causal skip).
+
+@triton.jit
+def _extend_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, kv_lens_ptr, out_ptr,
+    scale_log2,
+    stride_qt, stride_qh,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt,
+    stride_ot, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tile = tl.program_id(0)
+    seq = tl.program_id(1)
+    head = tl.program_id(2)
+    kv_head = head // GROUP
+
+    q_start = tl.load(query_start_ptr + seq)
+    q_len = tl.load(query_start_ptr + seq + 1) - q_start
+    kv_len = tl.load(kv_lens_ptr + seq)
+    m0 = tile * BLOCK_M
+    if m0 < q_len:
+        rows = m0 + tl.arange(0, BLOCK_M)
+        row_mask = rows < q_len
+        q_pos = kv_len - q_len + rows
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        tokens = (q_start + rows).to(tl.int64)
+        q = tl.load(q_ptr + tokens[:, None] * stride_qt + head * stride_qh + dims[None, :],
+                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        if DOT_FP32:
+            q = q.to(tl.float32)
+
+        m_i = tl.full([BLOCK_M], float("-inf"), tl.float32)
+        l_i = tl.zeros([BLOCK_M], tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
+        table_row = block_table_ptr + seq * stride_bt
+        # Keys past the tile's last valid query are masked for every row of the tile.
+        kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)
+        for n0 in range(0, kv_end, BLOCK_N):
+            pos = n0 + tl.arange(0, BLOCK_N)
+            pos_mask = pos < kv_end
+            block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+            offset = pos % BLOCK_SIZE
+            kv_mask = pos_mask[:, None] & dim_mask[None, :]
+            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_off
+                        + kv_head * stride_kc_head + dims[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off
+                        + kv_head * stride_vc_head + dims[None, :], mask=kv_mask, other=0.0)
+            if DOT_FP32:
+                k = k.to(tl.float32)
+                v = v.to(tl.float32)
+            else:
+                k = k.to(q.dtype)
+                v = v.to(q.dtype)
+            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
+            # Position 0 is visible to every row (q_pos >= 0), so each row's max is finite after the first tile.
+            visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
+            scores = tl.where(visible, scores, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(scores, 1))
+            p = tl.exp2(scores - m_new[:, None])
+            alpha = tl.exp2(m_i - m_new)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+            m_i = m_new
+
+        out = acc / l_i[:, None]
+        tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def extend_attention(
+    q: torch.Tensor,                # [T, Hq, D], the ragged query chunks of all sequences, concatenated
+    k_cache: torch.Tensor,          # [num_blocks, block_size, Hkv, D], new tokens already written
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,      # [S, max_blocks] int32
+    query_start_loc: torch.Tensor,  # [S + 1] int32
+    kv_lens: torch.Tensor,          # [S] int32, cache length after this step
+    max_query_len: int,             # host int: sizes the grid
+    scale: float,
+) -> torch.Tensor:
+    num_tokens, num_heads, head_dim = q.shape
+    num_seqs = kv_lens.shape[0]
+    num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
+    assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} kv heads"
+    _check_cache(k_cache, v_cache)
+    q = _last_dim_contiguous(q)
+    out = torch.empty_like(q)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    tiles = _extend_tiles(q)
+    grid = (triton.cdiv(max_query_len, tiles["BLOCK_M"]), num_seqs, num_heads)
+    _extend_kernel[grid](
+        q, k_cache, v_cache, block_table, query_start_loc, kv_lens, out,
+        scale * LOG2E,
+        q.stride(0), q.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+        v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
+        block_table.stride(0),
+        out.stride(0), out.stride(1),
+        GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
+        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q),
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+    return out
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# launch helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
+    if q.device.type != "cuda":  # interpreter: small tiles so tiny test contexts still span several tiles/splits
+        return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _extend_tiles(q: torch.Tensor) -> dict[str, int]:
+    if q.device.type != "cuda":
+        return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
+    if q.shape[2] > 128:
+        return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
+    return {"BLOCK_M": 64, "BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+
+
+def _dot_precision(q: torch.Tensor) -> str:
+    # fp32 models are the parity path: keep fp32 dots exact instead of TF32.
+    return "ieee" if q.dtype == torch.float32 else "tf32"
+
+
+def _dot_in_fp32(q: torch.Tensor) -> bool:
+    # Triton 3.6's interpreter returns garbage for bf16 tl.dot (fp16 and fp32 are fine), so on CPU the kernels
+    # upcast bf16 operands; on the GPU they stay bf16 for the tensor cores.
+    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+
+
+def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
+def _check_cache(k_cache: torch.Tensor, v_cache: torch.Tensor) -> None:
+    assert k_cache.shape == v_cache.shape, f"k_cache {tuple(k_cache.shape)} != v_cache {tuple(v_cache.shape)}"
+    assert k_cache.stride(-1) == 1 and v_cache.stride(-1) == 1, "cache head_dim must be contiguous"

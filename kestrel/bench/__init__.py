@@ -1,0 +1,1 @@
+"""`kestrel bench` and `kestrel launch`: measure any OpenAI-compatible server, start and watch servers."""

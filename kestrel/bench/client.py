@@ -1,0 +1,270 @@
+"""Async load generator for OpenAI-compatible servers: one coroutine per request, per-request timings.
+
+Errors (HTTP status, broken stream, timeout) are recorded on the request and never stop the run.
+"""
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import aiohttp
+
+from kestrel.bench.datasets import BenchRequest
+from kestrel.bench.metrics import token_gaps
+from kestrel.bench.tokenizer import BenchTokenizer
+from kestrel.errors import KestrelError
+
+
+@dataclass(frozen=True, slots=True)
+class ApiOptions:
+    base_url: str
+    model: str
+    endpoint: str = "completions"          # completions | chat
+    stream: bool = True
+    ignore_eos: bool = True                # also sends min_tokens = max_tokens, so every request runs full length
+    include_usage: bool = True             # stream_options.include_usage
+    continuous_usage: bool = True          # stream_options.continuous_usage_stats: token count on every chunk
+    timeout_s: float = 600.0
+
+    @property
+    def url(self) -> str:
+        path = "/v1/chat/completions" if self.endpoint == "chat" else "/v1/completions"
+        return self.base_url.rstrip("/") + path
+
+    def payload(self, req: BenchRequest) -> dict[str, Any]:
+        body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
+                                "stream": self.stream}
+        if self.endpoint == "chat":
+            body["messages"] = [{"role": "user", "content": req.prompt}]
+        else:
+            body["prompt"] = req.prompt
+        if self.ignore_eos:
+            body["ignore_eos"] = True
+            body["min_tokens"] = req.output_len
+        if self.stream and self.include_usage:
+            body["stream_options"] = {"include_usage": True}
+            if self.continuous_usage:
+                body["stream_options"]["continuous_usage_stats"] = True
+        return body
+
+
+@dataclass(slots=True)
+class RequestRecord:
+    """One request's timings. Times are seconds; start is relative to the run start, the rest to `start`."""
+    prompt_len: int                     # client estimate, replaced by usage.prompt_tokens when reported
+    max_tokens: int
+    start: float = 0.0
+    ttft: float | None = None           # streamed only
+    e2e: float | None = None
+    output_tokens: int = 0
+    prompt_tokens: int = 0
+    token_source: str = "chunks"        # usage | tokenizer | chunks (see count_tokens)
+    chunk_times: list[float] = field(default_factory=list)
+    chunk_tokens: list[int] = field(default_factory=list)
+    itl: list[float] = field(default_factory=list)
+    finish_reason: str | None = None
+    output_chars: int = 0
+    success: bool = False
+    error: str | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def _chunk_text(choice: dict[str, Any]) -> str:
+    if "text" in choice:
+        return choice.get("text") or ""
+    delta = choice.get("delta") or choice.get("message") or {}
+    return (delta.get("content") or "") + (delta.get("reasoning_content") or "")
+
+
+class _StreamState:
+    """Folds SSE chunks into a record: token arrivals, text, usage."""
+
+    def __init__(self, tokenizer: BenchTokenizer | None) -> None:
+        self.tokenizer = tokenizer
+        self.text: list[str] = []
+        self.usage_tokens: int | None = None     # last completion_tokens seen (cumulative)
+        self.prompt_tokens: int | None = None
+        self.finish_reason: str | None = None
+
+    def add(self, obj: dict[str, Any], now: float, record: RequestRecord) -> None:
+        if obj.get("error"):
+            raise RuntimeError(f"server error in stream: {obj['error']}")
+        choices = obj.get("choices") or []
+        text = "".join(_chunk_text(c) for c in choices)
+        for c in choices:
+            self.finish_reason = c.get("finish_reason") or self.finish_reason
+        usage = obj.get("usage") or {}
+        tokens = None
+        if usage.get("completion_tokens") is not None:
+            total = int(usage["completion_tokens"])
+            if choices:   # continuous usage: this chunk's tokens are the growth of the running count
+                tokens = total - (self.usage_tokens or 0)
+            self.usage_tokens = total
+        if usage.get("prompt_tokens") is not None:
+            self.prompt_tokens = int(usage["prompt_tokens"])
+        if tokens is None:
+            tokens = (max(1, self.tokenizer.count(text)) if self.tokenizer else 1) if text else 0
+        self.text.append(text)
+        if tokens > 0:
+            record.chunk_times.append(now)
+            record.chunk_tokens.append(tokens)
+
+
+def count_tokens(record: RequestRecord, text: str, usage_tokens: int | None,
+                 tokenizer: BenchTokenizer | None) -> None:
+    """Output token count: server usage, else the tokenizer on the whole text, else the client's chunk count."""
+    if usage_tokens is not None:
+        record.output_tokens, record.token_source = usage_tokens, "usage"
+    elif tokenizer is not None:
+        record.output_tokens, record.token_source = tokenizer.count(text), "tokenizer"
+    elif record.chunk_tokens:
+        record.output_tokens, record.token_source = sum(record.chunk_tokens), "chunks"
+    else:
+        record.output_tokens, record.token_source = len(text.split()), "words"
+
+
+async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: BenchRequest,
+                       tokenizer: BenchTokenizer | None = None, run_start: float = 0.0) -> RequestRecord:
+    record = RequestRecord(prompt_len=req.prompt_len, max_tokens=req.output_len)
+    start = time.perf_counter()
+    record.start = start - run_start
+    try:
+        async with session.post(api.url, json=api.payload(req)) as resp:
+            if resp.status != 200:
+                body = (await resp.text())[:300]
+                raise RuntimeError(f"HTTP {resp.status}: {body}")
+            if api.stream:
+                state = _StreamState(tokenizer)
+                async for raw in resp.content:   # aiohttp yields whole lines, however TCP split them
+                    now = time.perf_counter() - start
+                    line = raw.strip()
+                    if not line.startswith(b"data:"):
+                        continue                 # blank separators, ": keep-alive" comments, event: lines
+                    data = line[5:].strip()
+                    if data == b"[DONE]":
+                        break
+                    state.add(json.loads(data), now, record)
+                text, usage_tokens, prompt_tokens = "".join(state.text), state.usage_tokens, state.prompt_tokens
+                record.finish_reason = state.finish_reason
+            else:
+                obj = await resp.json(content_type=None)
+                if obj.get("error"):
+                    raise RuntimeError(f"server error: {obj['error']}")
+                choices = obj.get("choices") or []
+                text = "".join(_chunk_text(c) for c in choices)
+                record.finish_reason = choices[0].get("finish_reason") if choices else None
+                usage = obj.get("usage") or {}
+                usage_tokens, prompt_tokens = usage.get("completion_tokens"), usage.get("prompt_tokens")
+        record.e2e = time.perf_counter() - start
+        count_tokens(record, text, usage_tokens, tokenizer)
+        record.prompt_tokens = int(prompt_tokens) if prompt_tokens is not None else req.prompt_len
+        record.output_chars = len(text)
+        if api.stream:
+            if not record.chunk_times:
+                raise RuntimeError("stream ended without any token")
+            record.ttft = record.chunk_times[0]
+            record.itl = token_gaps(record.chunk_times, record.chunk_tokens)
+        record.success = True
+    except (aiohttp.ClientError, asyncio.TimeoutError, RuntimeError, ValueError, KeyError, TypeError) as exc:
+        record.e2e = time.perf_counter() - start
+        record.error = f"{type(exc).__name__}: {exc}"[:400] if str(exc) else type(exc).__name__
+    return record
+
+
+def new_session(api: ApiOptions) -> aiohttp.ClientSession:
+    # limit=0: no connection-pool cap, the load shape decides the concurrency.
+    return aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0),
+                                 timeout=aiohttp.ClientTimeout(total=api.timeout_s))
+
+
+async def probe_features(api: ApiOptions) -> ApiOptions:
+    """Find what the server accepts: drop ignore_eos/min_tokens and usage options it rejects (HTTP 4xx).
+
+    Raises KestrelError when not even a plain request works (wrong URL or model, server down).
+    """
+    candidates = [api, replace(api, continuous_usage=False), replace(api, ignore_eos=False, continuous_usage=False),
+                  replace(api, ignore_eos=False, include_usage=False, continuous_usage=False)]
+    tiny = BenchRequest("Hello", 1, 2)
+    last_error = None
+    async with new_session(api) as session:
+        for candidate in candidates:
+            record = await send_request(session, candidate, tiny)
+            if record.success:
+                return candidate
+            last_error = record.error
+            if not (record.error or "").startswith("RuntimeError: HTTP 4"):
+                break   # a connection error or 5xx will not go away by dropping options
+    raise KestrelError(f"--base-url {api.base_url!r} with model {api.model!r} does not answer a plain "
+                       f"{api.endpoint} request: {last_error}")
+
+
+def _arrival_gaps(rate: float, burstiness: float, rng: random.Random) -> Iterator[float]:
+    """Inter-arrival times: gamma(shape=burstiness, mean=1/rate); burstiness 1 is a Poisson process."""
+    while True:
+        yield 0.0 if rate == float("inf") else rng.gammavariate(burstiness, 1.0 / (rate * burstiness))
+
+
+async def run_load(api: ApiOptions, requests: Sequence[BenchRequest], concurrency: int | None = None,
+                   request_rate: float = float("inf"), burstiness: float = 1.0, duration_s: float | None = None,
+                   tokenizer: BenchTokenizer | None = None, seed: int = 0,
+                   progress: bool = True) -> tuple[list[RequestRecord], float]:
+    """Send `requests` (cycled while `duration_s` lasts, when given); return the records and the run duration.
+
+    concurrency caps requests in flight; request_rate spaces arrivals (inf: all at once, the cap decides).
+    """
+    from tqdm import tqdm
+
+    if not requests:
+        raise KestrelError("the dataset is empty: expected --num-prompts >= 1")
+    rng = random.Random(seed)
+    limit = asyncio.Semaphore(concurrency) if concurrency else None
+    bar = tqdm(total=None if duration_s else len(requests), disable=not progress, unit="req", leave=False)
+    records: list[RequestRecord] = []
+    async with new_session(api) as session:
+        run_start = time.perf_counter()
+        deadline = run_start + duration_s if duration_s else None
+
+        async def one(req: BenchRequest) -> None:
+            try:
+                record = await send_request(session, api, req, tokenizer, run_start)
+                records.append(record)
+                bar.update(1)
+            finally:
+                if limit:
+                    limit.release()
+
+        tasks = []
+        gaps = _arrival_gaps(request_rate, burstiness, rng)
+        index = 0
+        while deadline is not None or index < len(requests):
+            if deadline is not None and time.perf_counter() >= deadline:
+                break
+            gap = next(gaps)
+            if gap:
+                await asyncio.sleep(gap)
+            if limit:
+                await limit.acquire()
+            if deadline is not None and time.perf_counter() >= deadline:
+                if limit:
+                    limit.release()
+                break
+            tasks.append(asyncio.create_task(one(requests[index % len(requests)])))
+            index += 1
+        await asyncio.gather(*tasks)
+        duration = time.perf_counter() - run_start
+    bar.close()
+    records.sort(key=lambda r: r.start)
+    return records, duration
+
+
+async def warmup(api: ApiOptions, requests: Sequence[BenchRequest], num: int, concurrency: int | None) -> None:
+    """Send `num` unrecorded requests so the measured run starts on a warm server."""
+    if num > 0:
+        await run_load(api, [requests[i % len(requests)] for i in range(num)], concurrency or num, progress=False)

@@ -1,0 +1,128 @@
+"""What a result file records besides timings: server identity, its /metrics (speculative decoding), the host.
+
+Speculative-decoding counters are read before and after a run; the deltas give the acceptance rate and the mean
+accepted length (tokens per verification step, counting the bonus token, as vLLM reports it).
+"""
+from __future__ import annotations
+
+import importlib.metadata
+import platform
+import shutil
+import socket
+import subprocess
+import sys
+from typing import Any
+
+import httpx
+
+# (drafts, draft tokens, accepted tokens) counter names per server family
+SPEC_COUNTERS = {
+    "kestrel": ("kestrel:spec_decode_num_drafts_total", "kestrel:spec_decode_num_draft_tokens_total",
+                "kestrel:spec_decode_num_accepted_tokens_total"),
+    "vllm": ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
+             "vllm:spec_decode_num_accepted_tokens_total"),
+}
+# SGLang exports gauges (averages over its recent window), not counters: read them after the run.
+SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
+SGLANG_ACCEPT_RATE = "sglang:spec_accept_rate"
+
+PACKAGES = ("kestrel", "torch", "transformers", "vllm", "sglang", "aiohttp", "flashinfer-python", "triton")
+
+
+def _get_json(client: httpx.Client, url: str) -> Any:
+    try:
+        resp = client.get(url)
+        if resp.status_code != 200:
+            return None
+        try:
+            return resp.json()
+        except ValueError:
+            return resp.text.strip()[:200]
+    except httpx.HTTPError:
+        return None
+
+
+def server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
+    """/v1/models and /version as the server reports them (None where absent)."""
+    base = base_url.rstrip("/")
+    with httpx.Client(timeout=timeout_s) as client:
+        return {"base_url": base, "models": _get_json(client, base + "/v1/models"),
+                "version": _get_json(client, base + "/version")}
+
+
+def first_model(info: dict[str, Any]) -> str | None:
+    models = info.get("models")
+    if isinstance(models, dict) and models.get("data"):
+        return models["data"][0].get("id")
+    return None
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """Sample name -> value, summed over label sets (enough for the counters and gauges read here)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        line = line.strip()
+        if not line or line.startswith("#"):
+            continue
+        if "{" in line:
+            name, rest = line[:line.index("{")], line[line.rindex("}") + 1:]
+        else:
+            name, _, rest = line.partition(" ")
+        try:
+            value = float(rest.strip().split()[0])
+        except (ValueError, IndexError):
+            continue
+        values[name] = values.get(name, 0.0) + value
+    return values
+
+
+def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
+    try:
+        resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_prometheus(resp.text) if resp.status_code == 200 else None
+
+
+def spec_decode_stats(before: dict[str, float] | None, after: dict[str, float] | None) -> dict[str, Any] | None:
+    """Acceptance over one run from /metrics before and after; None when the server exports none."""
+    if after is None:
+        return None
+    before = before or {}
+    for source, (drafts_n, draft_tokens_n, accepted_n) in SPEC_COUNTERS.items():
+        if drafts_n in after or accepted_n in after:
+            drafts = after.get(drafts_n, 0.0) - before.get(drafts_n, 0.0)
+            proposed = after.get(draft_tokens_n, 0.0) - before.get(draft_tokens_n, 0.0)
+            accepted = after.get(accepted_n, 0.0) - before.get(accepted_n, 0.0)
+            return {"source": source, "num_drafts": drafts, "num_draft_tokens": proposed,
+                    "num_accepted_tokens": accepted,
+                    "acceptance_rate": accepted / proposed if proposed > 0 else None,
+                    "mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else None}
+    if SGLANG_ACCEPT_LENGTH in after:
+        return {"source": "sglang", "num_drafts": None, "num_draft_tokens": None, "num_accepted_tokens": None,
+                "acceptance_rate": after.get(SGLANG_ACCEPT_RATE),
+                "mean_accepted_length": after[SGLANG_ACCEPT_LENGTH]}
+    return None
+
+
+def _gpus() -> list[dict[str, str]] | None:
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=name,memory.total,driver_version",
+                              "--format=csv,noheader"], capture_output=True, text=True, timeout=20).stdout
+    except (OSError, subprocess.SubprocessError):
+        return None
+    rows = [[c.strip() for c in line.split(",")] for line in out.splitlines() if line.strip()]
+    return [dict(zip(("name", "memory", "driver"), row)) for row in rows]
+
+
+def environment() -> dict[str, Any]:
+    versions = {}
+    for name in PACKAGES:
+        try:
+            versions[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            pass
+    return {"host": socket.gethostname(), "platform": platform.platform(), "python": sys.version.split()[0],
+            "packages": versions, "gpus": _gpus()}

@@ -1,0 +1,240 @@
+"""The step loop: schedule -> build ForwardBatch -> run -> sample -> update sequences.
+
+The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the AsyncEngine's
+thread) is the only thread touching the model.
+"""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.cache.block_pool import BlockPool
+from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
+from kestrel.config import EngineConfig
+from kestrel.engine.batch import build_forward_batch
+from kestrel.engine.request import Sequence, SeqStatus, TokenLogprob
+from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
+from kestrel.engine.scheduler import Scheduler, ScheduledSeq
+from kestrel.engine.setup import build_runner
+from kestrel.errors import KestrelError
+from kestrel.models.tokenizer import Tokenizer
+from kestrel.progress import Progress
+from kestrel.sampling_params import SamplingParams
+
+logger = logging.getLogger("kestrel.engine")
+
+
+@dataclass(slots=True)
+class SampleUpdate:
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+        self.config = config
+        self.progress = progress or Progress()
+        setup = build_runner(config, self.progress)
+        self.runner = setup.runner
+        self.model_config = setup.model_config
+        self.tokenizer: Tokenizer = setup.tokenizer
+        self.device = setup.runner.device
+        self.max_model_len = setup.max_model_len
+        self.model_name = config.model_name
+        self.pool = BlockPool(setup.num_blocks, config.block_size)
+        self.prefix_cache: PrefixCache = (NoPrefixCache() if config.disable_prefix_cache
+                                          else RadixPrefixCache(self.pool))
+        self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs,
+                                   config.max_num_batched_tokens)
+        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
+        self.requests: dict[str, list[Sequence]] = {}
+        self._seq_ids = itertools.count()
+        self._pending: list[SampleUpdate] = []   # finishes decided outside step() (abort, stop strings)
+        self.prompt_tokens_total = 0
+        self.generation_tokens_total = 0
+        self.progress.ready()
+
+    # ---- requests in -------------------------------------------------------------------------------------
+    def add_request(self, request_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if request_id in self.requests:
+            raise KestrelError(f"request id {request_id!r} is already in use")
+        self.validate_prompt(prompt_token_ids, params)
+        seqs = []
+        for index in range(params.n):
+            gen = None
+            if params.seed is not None:
+                gen = torch.Generator(device=self.device).manual_seed(params.seed + index)
+            seqs.append(Sequence(next(self._seq_ids), request_id, index, list(prompt_token_ids), params,
+                                 generator=gen))
+        self.requests[request_id] = seqs
+        self.prompt_tokens_total += len(prompt_token_ids) * params.n
+        for seq in seqs:
+            self.scheduler.add(seq)
+
+    def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise KestrelError for a request that could never run; the server maps it to HTTP 400."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise KestrelError("the prompt is empty: at least one token is needed")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise KestrelError(f"prompt token id {bad[0]!r} is out of range: expected integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise KestrelError(f"the prompt has {n} tokens but this model's maximum context length is "
+                               f"{self.max_model_len} tokens (prompt and completion together)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise KestrelError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
+                               "for the completion); reduce max_tokens or the prompt")
+        capacity = self.pool.num_blocks * self.pool.block_size
+        total = n + (params.max_tokens or self.max_model_len - n)
+        if min(total, self.max_model_len) > capacity:
+            raise KestrelError(f"a sequence of {total} tokens cannot fit in the KV cache ({capacity} tokens); "
+                               "raise --kv-cache-memory / --gpu-memory-utilization or lower max_tokens")
+
+    def abort_request(self, request_id: str) -> None:
+        for seq in self.requests.get(request_id, []):
+            self._finish_outside_step(seq, "abort")
+
+    def finish_sample(self, request_id: str, index: int) -> None:
+        """A stop string matched in the sample's text: finish it as "stop"."""
+        seqs = self.requests.get(request_id, [])
+        if index < len(seqs):
+            self._finish_outside_step(seqs[index], "stop")
+
+    def _finish_outside_step(self, seq: Sequence, reason: str) -> None:
+        if seq.is_finished:
+            return
+        self.scheduler.finish(seq, reason)
+        self._pending.append(self._update(seq, [], None))
+        self._forget_if_done(seq.request_id)
+
+    # ---- the step ----------------------------------------------------------------------------------------
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work() or bool(self._pending)
+
+    def step(self) -> list[SampleUpdate]:
+        updates, self._pending = self._pending, []
+        plan = self.scheduler.schedule()
+        if not plan.scheduled:
+            return updates
+        sampling = [s for s in plan.scheduled if s.completes_prompt]
+        batch = build_forward_batch(
+            token_ids=[s.seq.token_ids()[s.start:s.start + s.num_tokens] for s in plan.scheduled],
+            start_positions=[s.start for s in plan.scheduled],
+            block_tables=[s.seq.block_ids for s in plan.scheduled],
+            block_size=self.config.block_size,
+            want_logits=[s.completes_prompt for s in plan.scheduled],
+        )
+        output = self.runner.forward(batch)
+        for s in plan.scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+        if sampling:
+            updates += self._sample_and_update(sampling, output.logits)
+        return updates
+
+    def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> list[SampleUpdate]:
+        seqs = [r.seq for r in rows]
+        params = [s.params for s in seqs]
+        self._mask_stops_before_min_tokens(seqs, logits)
+        max_logprobs = max((p.logprobs or 0) for p in params) if any(p.logprobs is not None for p in params) else 0
+        sb = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
+                                 [p.top_p for p in params], [p.min_p for p in params],
+                                 [s.generator for s in seqs], max_logprobs, logits.device)
+        tokens = sample(logits, sb)
+        logprob_rows = None
+        if any(p.logprobs is not None for p in params):
+            chosen, top_vals, top_ids = top_logprobs(logits, tokens, max_logprobs)
+            logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
+        token_list = tokens.tolist()   # the one device->host sync of the step
+        now = time.monotonic()
+        updates = []
+        for i, seq in enumerate(seqs):
+            token = token_list[i]
+            seq.output_token_ids.append(token)
+            self.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            lp = None
+            if logprob_rows is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                lp = [TokenLogprob(token, logprob_rows[0][i],
+                                   list(zip(logprob_rows[2][i][:k], logprob_rows[1][i][:k])))]
+            reason = self._stop_reason(seq, token)
+            if reason is not None:
+                self.scheduler.finish(seq, reason)
+            updates.append(self._update(seq, [token], lp))
+            if reason is not None:
+                self._forget_if_done(seq.request_id)
+        return updates
+
+    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+        for row, seq in enumerate(seqs):
+            p = seq.params
+            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
+                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
+                if banned:
+                    logits[row, banned] = float("-inf")
+
+    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+        p = seq.params
+        if seq.num_output_tokens >= p.min_tokens:
+            if not p.ignore_eos and token in self.eos_token_ids:
+                return "stop"
+            if token in p.stop_token_ids:
+                return "stop"
+        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+            return "length"
+        if seq.num_tokens >= self.max_model_len:
+            return "length"
+        return None
+
+    def _update(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> SampleUpdate:
+        return SampleUpdate(seq.request_id, seq.index, tokens, logprobs, seq.is_finished, seq.finish_reason,
+                            seq.num_prompt_tokens, seq.num_cached_tokens)
+
+    def _forget_if_done(self, request_id: str) -> None:
+        seqs = self.requests.get(request_id)
+        if seqs is not None and all(s.is_finished for s in seqs):
+            del self.requests[request_id]
+
+    # ---- introspection -----------------------------------------------------------------------------------
+    def sequences(self, request_id: str) -> list[Sequence]:
+        return list(self.requests.get(request_id, []))
+
+    def stats(self) -> EngineStats:
+        # Blocks held only by the prefix cache are reusable, so they do not count as used.
+        used = self.pool.num_used - self.prefix_cache.num_evictable_blocks()
+        pc = self.prefix_cache.stats
+        return EngineStats(
+            num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
+            kv_cache_usage=used / self.pool.num_blocks, num_used_blocks=used,
+            num_total_blocks=self.pool.num_blocks, num_preemptions=self.scheduler.num_preemptions,
+            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            prefix_cache_queries=pc.query_tokens, prefix_cache_hits=pc.hit_tokens,
+        )

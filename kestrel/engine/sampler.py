@@ -1,0 +1,91 @@
+"""Sampling: greedy, temperature, top-k, top-p, min-p, per-request seeds, optional top logprobs.
+
+Works on a whole batch of rows at once and returns device tensors; the engine reads them back once per step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(slots=True)
+class SamplingBatch:
+    """Per-row sampling settings, as tensors on the logits' device."""
+    temperature: torch.Tensor          # [B] float32; 0 = greedy
+    top_k: torch.Tensor                # [B] int64; 0 = off
+    top_p: torch.Tensor                # [B] float32; 1 = off
+    min_p: torch.Tensor                # [B] float32; 0 = off
+    generators: list[torch.Generator | None]   # seeded rows draw from their own generator
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    max_logprobs: int                  # 0: no logprobs wanted this step
+
+
+def make_sampling_batch(temperatures: list[float], top_ks: list[int], top_ps: list[float], min_ps: list[float],
+                        generators: list[torch.Generator | None], max_logprobs: int,
+                        device: torch.device) -> SamplingBatch:
+    return SamplingBatch(
+        temperature=torch.tensor(temperatures, dtype=torch.float32, device=device),
+        top_k=torch.tensor([k if k > 0 else 0 for k in top_ks], dtype=torch.int64, device=device),
+        top_p=torch.tensor(top_ps, dtype=torch.float32, device=device),
+        min_p=torch.tensor(min_ps, dtype=torch.float32, device=device),
+        generators=generators,
+        all_greedy=all(t <= 1e-5 for t in temperatures),
+        needs_top_k=any(k > 0 for k in top_ks),
+        needs_top_p=any(p < 1.0 for p in top_ps),
+        needs_min_p=any(p > 0.0 for p in min_ps),
+        max_logprobs=max_logprobs,
+    )
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) every token outside the top-k / nucleus / min-p set of its row."""
+    if s.needs_top_k or s.needs_top_p:
+        sorted_logits, order = logits.sort(dim=-1, descending=True)
+        vocab = logits.shape[-1]
+        ranks = torch.arange(vocab, device=logits.device).expand_as(sorted_logits)
+        drop = torch.zeros_like(sorted_logits, dtype=torch.bool)
+        if s.needs_top_k:
+            k = torch.where(s.top_k > 0, s.top_k, vocab)
+            drop |= ranks >= k[:, None]
+        if s.needs_top_p:
+            probs = sorted_logits.masked_fill(drop, float("-inf")).softmax(dim=-1)
+            # Keep the smallest prefix whose mass reaches top_p: drop a token when the mass before it already does.
+            mass_before = probs.cumsum(dim=-1) - probs
+            drop |= mass_before >= s.top_p[:, None]
+            drop[:, 0] = False
+        sorted_logits = sorted_logits.masked_fill(drop, float("-inf"))
+        logits = torch.empty_like(logits).scatter_(-1, order, sorted_logits)
+    if s.needs_min_p:
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * s.min_p[:, None]
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    return logits
+
+
+def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
+    """logits [B, V] float32 -> token ids [B] int64 (on the logits' device)."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if s.all_greedy:
+        return greedy_tokens
+    temperature = torch.where(s.temperature > 1e-5, s.temperature, torch.ones_like(s.temperature))
+    scaled = apply_top_k_top_p_min_p(logits / temperature[:, None], s)
+    probs = scaled.softmax(dim=-1)
+    # Gumbel-style sampling without a host sync: argmax(p / E) with E ~ Exponential(1) draws from p.
+    noise = torch.empty_like(probs).exponential_()
+    for row, gen in enumerate(s.generators):
+        if gen is not None:
+            noise[row].exponential_(generator=gen)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(s.temperature > 1e-5, sampled, greedy_tokens)
+
+
+def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Log-probabilities of the model's distribution: (chosen [B], top values [B, k], top ids [B, k])."""
+    logprobs = logits.log_softmax(dim=-1)
+    chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
+    values, ids = logprobs.topk(max(k, 1), dim=-1)
+    return chosen, values, ids

@@ -1,0 +1,176 @@
+"""Startup: resolve the model, load weights, size and allocate the KV cache, capture graphs, warm up.
+
+Each phase reports through Progress, so /health and the log always say what is happening.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.config import EngineConfig
+from kestrel.engine.batch import build_forward_batch
+from kestrel.engine.runner import ModelRunner, kv_bytes_per_block
+from kestrel.errors import KestrelError, ModelLoadError
+from kestrel.models.loader import load_weights
+from kestrel.models.model_config import ModelConfig, load_model_config
+from kestrel.models.registry import model_class
+from kestrel.models.tokenizer import Tokenizer
+from kestrel.progress import Progress
+
+logger = logging.getLogger("kestrel.setup")
+
+CPU_DEFAULT_KV_BYTES = 1 << 30
+DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
+          "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16, "half": torch.float16}
+
+
+@dataclass
+class RunnerSetup:
+    runner: ModelRunner
+    model_config: ModelConfig
+    tokenizer: Tokenizer
+    num_blocks: int
+    max_model_len: int
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except RuntimeError:
+        raise KestrelError(f"--device {name!r} is invalid: expected auto, cpu, cuda or cuda:N") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise KestrelError(f"--device {name} asked for CUDA, but no CUDA device is available")
+    if device.type not in ("cpu", "cuda"):
+        raise KestrelError(f"--device {name!r} is not supported: expected cpu or cuda")
+    return device
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    if device.type == "cpu":
+        return torch.float32
+    # Like vLLM: half-precision checkpoints keep their dtype; fp32 checkpoints run in bf16 on the GPU.
+    return DTYPES.get(str(cfg.torch_dtype), torch.bfloat16) if cfg.torch_dtype not in (None, "float32") \
+        else torch.bfloat16
+
+
+def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
+    progress.begin("resolving_model")
+    path = config.model_path
+    if not path.is_dir():
+        if config.model is None:
+            raise ModelLoadError(f"the embedded default model is missing at {path}; pass --model DIR")
+        raise ModelLoadError(f"model directory {path} does not exist (Kestrel loads local HF checkpoints)")
+    cfg = load_model_config(path)
+    tokenizer = Tokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
+    device = resolve_device(config.device)
+    dtype = resolve_dtype(config.dtype, cfg, device)
+    max_model_len = config.max_model_len or cfg.max_position_embeddings
+    if cfg.sliding_window is not None and cfg.sliding_window < max_model_len:
+        # No sliding-window attention yet: within the window, full attention is exact.
+        logger.warning("model uses sliding-window attention (%d); capping max_model_len to it", cfg.sliding_window)
+        max_model_len = cfg.sliding_window
+    if max_model_len > cfg.max_position_embeddings:
+        raise KestrelError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
+                           f"({cfg.max_position_embeddings})")
+    logger.info("model %s (%s), %d layers, device %s, dtype %s", path, cfg.architecture, cfg.num_layers, device,
+                str(dtype).removeprefix("torch."))
+
+    torch.manual_seed(config.seed)
+    with torch.device(device):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            model = model_class(cfg)(cfg)
+        finally:
+            torch.set_default_dtype(default_dtype)
+    model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32
+    load_weights(model, path, progress)
+    model.eval()
+
+    backend = select_attention_backend(config, device)
+    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
+    if device.type == "cuda":
+        from kestrel.engine.fast_path import enable_fused_ops
+        enable_fused_ops(model)
+
+    progress.begin("allocating_kv_cache")
+    num_blocks = size_kv_cache(config, cfg, runner, max_model_len)
+    runner.allocate_kv_cache(num_blocks)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB)", num_blocks, config.block_size,
+                num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
+
+    if device.type == "cuda" and not config.disable_cuda_graph:
+        from kestrel.engine.cuda_graphs import capture_decode_graphs
+        runner.graphs = capture_decode_graphs(runner, config, max_model_len, progress)
+
+    progress.begin("warming_up")
+    warm_up(runner, config.block_size)
+    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len)
+
+
+def select_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
+    try:
+        from kestrel.attention.select import select_backend
+    except ImportError:
+        select_backend = None
+    if select_backend is not None:
+        return select_backend(config.attention_backend, device)
+    if config.attention_backend not in (None, "torch"):
+        raise KestrelError(f"--attention-backend {config.attention_backend} is not available in this build")
+    from kestrel.attention.torch_ref import TorchAttentionBackend
+    return TorchAttentionBackend()
+
+
+def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, max_model_len: int) -> int:
+    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype)
+    # More blocks than every sequence at full length (times 2, for cached prefixes) would never be used.
+    useful = 2 * config.max_num_seqs * -(-max_model_len // config.block_size)
+    if config.num_gpu_blocks_override is not None:
+        return config.num_gpu_blocks_override
+    if runner.device.type == "cpu":
+        budget = config.kv_cache_memory or CPU_DEFAULT_KV_BYTES
+        return max(1, min(budget // per_block, useful))
+    if config.kv_cache_memory is not None:
+        return max(1, min(config.kv_cache_memory // per_block, useful))
+    peak = profile_activation_peak(runner, config)
+    total = torch.cuda.get_device_properties(runner.device).total_memory
+    graph_reserve = 0 if config.disable_cuda_graph else 512 << 20
+    budget = int(total * config.gpu_memory_utilization) - peak - graph_reserve
+    if budget < per_block:
+        raise KestrelError(f"no memory left for the KV cache: weights + activations take {peak / 1e9:.1f} GB of "
+                           f"{total / 1e9:.1f} GB; raise --gpu-memory-utilization or lower "
+                           "--max-num-batched-tokens")
+    return max(1, min(budget // per_block, useful))
+
+
+def profile_activation_peak(runner: ModelRunner, config: EngineConfig) -> int:
+    """Peak device memory (weights included) of the largest step: one max_num_batched_tokens prefill."""
+    bs = config.block_size
+    tokens = config.max_num_batched_tokens
+    blocks = -(-tokens // bs)
+    runner.allocate_kv_cache(blocks)
+    torch.cuda.reset_peak_memory_stats(runner.device)
+    batch = build_forward_batch([[0] * tokens], [0], [list(range(blocks))], bs)
+    runner.forward_eager(batch.to(runner.device))
+    torch.cuda.synchronize(runner.device)
+    peak = torch.cuda.max_memory_allocated(runner.device)
+    runner.kv_cache = None
+    runner.kv_caches = []
+    torch.cuda.empty_cache()
+    return peak
+
+
+def warm_up(runner: ModelRunner, block_size: int) -> None:
+    """One tiny prefill + decode so lazy initialisation (kernels, allocator) happens before the first request."""
+    batch = build_forward_batch([[0, 0]], [0], [[0]], block_size)
+    runner.forward(batch)
+    if runner.device.type == "cuda":
+        torch.cuda.synchronize(runner.device)

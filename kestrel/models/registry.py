@@ -1,0 +1,23 @@
+"""HF architecture name -> model class."""
+from __future__ import annotations
+
+from torch import nn
+
+from kestrel.errors import ModelLoadError
+from kestrel.models.llama import LlamaForCausalLM
+from kestrel.models.model_config import ModelConfig
+
+MODEL_CLASSES: dict[str, type[nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Qwen3ForCausalLM": LlamaForCausalLM,
+}
+
+
+def model_class(cfg: ModelConfig) -> type[nn.Module]:
+    try:
+        return MODEL_CLASSES[cfg.architecture]
+    except KeyError:
+        raise ModelLoadError(f"architecture {cfg.architecture!r} is not supported; supported: "
+                             f"{', '.join(MODEL_CLASSES)}") from None

@@ -1,0 +1,80 @@
+"""HF tokenizer wrapper: encode, chat template, and an incremental detokenizer for streaming."""
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+
+from kestrel.errors import KestrelError, ModelLoadError
+
+logger = logging.getLogger("kestrel.tokenizer")
+
+
+class Tokenizer:
+    def __init__(self, path: Path, model_eos_ids: tuple[int, ...] = ()) -> None:
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
+        from transformers import AutoTokenizer   # slow import: only when a tokenizer is really needed
+
+        try:
+            self.hf = AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # transformers raises many types for broken tokenizer files
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
+        eos = set(model_eos_ids)
+        if self.hf.eos_token_id is not None:
+            eos.add(int(self.hf.eos_token_id))
+        gen_cfg = path / "generation_config.json"
+        if gen_cfg.is_file():
+            value = json.loads(gen_cfg.read_text()).get("eos_token_id")
+            eos.update([value] if isinstance(value, int) else (value or []))
+        self.eos_token_ids: set[int] = eos
+        self.bos_token_id = self.hf.bos_token_id
+        self.vocab_size = len(self.hf)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    @property
+    def has_chat_template(self) -> bool:
+        return bool(getattr(self.hf, "chat_template", None))
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        if not self.has_chat_template:
+            raise KestrelError("this model's tokenizer has no chat template; use the completions endpoint "
+                               "or a model whose tokenizer_config.json has `chat_template`")
+        try:
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        except Exception as exc:  # jinja errors: a message the template cannot render
+            raise KestrelError(f"the chat template could not render these messages: {exc}") from None
+        # The template writes BOS itself when it wants one.
+        return self.encode(text, add_special_tokens=False)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas without re-decoding everything each time.
+
+    Byte-level BPE can split one character over several tokens; a delta is emitted only once the decoded text
+    no longer ends in U+FFFD (an incomplete UTF-8 sequence).
+    """
+
+    def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = True) -> None:
+        self.tokenizer = tokenizer
+        self.skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self.prefix_offset = 0   # tokens before this are settled and only give context
+        self.read_offset = 0     # text of tokens [prefix_offset, read_offset) was already emitted
+
+    def add(self, new_ids: list[int]) -> str:
+        self.token_ids.extend(new_ids)
+        decode = self.tokenizer.decode
+        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
+        if full.endswith("\ufffd") or len(full) <= len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset = self.read_offset
+        self.read_offset = len(self.token_ids)
+        return delta
