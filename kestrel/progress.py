@@ -17,7 +17,7 @@ PHASES = ("resolving_model", "loading_weights", "allocating_kv_cache", "capturin
 
 def _fmt(value: float, unit: str) -> str:
     if unit == "B":
-        return f"{value / 1e9:.2f} GB"
+        return f"{value / 1e9:.2f} GB" if value >= 1e8 else f"{value / 1e6:.1f} MB"
     return f"{value:.0f}{(' ' + unit) if unit else ''}"
 
 
@@ -46,7 +46,7 @@ class Progress:
             self.phase_start = self.last_progress_time = now
             self._last_log = now
         total_s = f" ({_fmt(total, unit)})" if total else ""
-        logger.info("phase %s started%s", phase, total_s)
+        logger.info("phase: %s%s", phase.replace("_", " "), total_s)
 
     def update(self, done: float) -> None:
         with self._lock:

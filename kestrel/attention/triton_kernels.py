@@ -70,6 +70,50 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# shared attention tile: online softmax of a block of query rows over BLOCK_N cached keys
+# ---------------------------------------------------------------------------------------------------------------
+#
+# Triton 3.6's interpreter cannot use tensors as loop bounds with numpy >= 2.4 (triton-lang/triton#9171), so under
+# the interpreter (INTERPRET constexpr) the kernels walk their tiles with a while loop; compiled kernels keep the
+# for loop, which Triton software-pipelines. Both loops call this same tile body.
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
+    n0, kv_end, row_pos,         # keys n0 .. n0 + BLOCK_N - 1 below kv_end; row r sees keys at <= row_pos[r]
+    table_row, k_base, v_base,   # block-table row of the sequence; cache pointers already at the kv head
+    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+    dims, dim_mask, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    pos = n0 + tl.arange(0, BLOCK_N)
+    pos_mask = pos < kv_end
+    block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
+    offset = pos % BLOCK_SIZE
+    kv_mask = pos_mask[:, None] & dim_mask[None, :]
+    k = tl.load(k_base + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_off + dims[None, :],
+                mask=kv_mask, other=0.0)
+    v = tl.load(v_base + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off + dims[None, :],
+                mask=kv_mask, other=0.0)
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2    # [R, BLOCK_N], log2 units
+    visible = (pos[None, :] <= row_pos[:, None]) & pos_mask[None, :]
+    scores = tl.where(visible, scores, float("-inf"))
+    # Callers guarantee every row sees at least one key in its first tile, so m_new is finite from then on.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # decode: flash-decoding with split-K
 # ---------------------------------------------------------------------------------------------------------------
 #
@@ -79,7 +123,7 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 #     partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
 # The slice of split j is [j * per_split, (j + 1) * per_split) clipped to kv_len, with per_split computed on the
 # device from kv_len, so the grid depends only on shapes (CUDA-graph safe) and splits past the end do nothing.
-# Stage 2, one program per (sequence, query head): merge the non-empty splits.
+# Stage 2, one program per (sequence, query head): merge the non-empty splits, which always form a prefix.
 
 @triton.jit
 def _decode_split_kernel(
@@ -94,6 +138,7 @@ def _decode_split_kernel(
     stride_pl_s, stride_pl_h,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -113,35 +158,28 @@ def _decode_split_kernel(
                     mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
+        row_pos = tl.zeros([BLOCK_H], tl.int32) + (kv_len - 1)   # the single query sees the whole context
 
         m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
         l_i = tl.zeros([BLOCK_H], tl.float32)
         acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
         table_row = block_table_ptr + seq * stride_bt
-        for n0 in range(start, end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pos_mask = pos < end
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = pos_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_off
-                        + kv_head * stride_kc_head + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off
-                        + kv_head * stride_vc_head + dims[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            else:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_H, BLOCK_N]
-            scores = tl.where(pos_mask[None, :], scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        k_base = k_cache_ptr + kv_head * stride_kc_head
+        v_base = v_cache_ptr + kv_head * stride_vc_head
+        if INTERPRET:
+            n0 = start
+            while n0 < end:
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                             DOT_PRECISION)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(start, end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                             DOT_PRECISION)
 
         out_mask = row_mask[:, None] & dim_mask[None, :]
         tl.store(part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h + split * stride_po_split
@@ -151,35 +189,46 @@ def _decode_split_kernel(
 
 
 @triton.jit
+def _merge_split(part_out_ptr, part_lse_ptr, split, stride_po_split, dims, dim_mask, m, total, acc):
+    lse = tl.load(part_lse_ptr + split)
+    part = tl.load(part_out_ptr + split * stride_po_split + dims, mask=dim_mask, other=0.0)
+    m_new = tl.maximum(m, lse)
+    alpha = tl.exp2(m - m_new)
+    weight = tl.exp2(lse - m_new)
+    return m_new, total * alpha + weight, acc * alpha + weight * part
+
+
+@triton.jit
 def _decode_reduce_kernel(
     part_out_ptr, part_lse_ptr, kv_lens_ptr, out_ptr,
     num_splits,
     stride_po_s, stride_po_h, stride_po_split,
     stride_pl_s, stride_pl_h,
     stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
 ):
     seq = tl.program_id(0)
     head = tl.program_id(1)
     kv_len = tl.load(kv_lens_ptr + seq)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    used_splits = tl.cdiv(kv_len, per_split)   # non-empty splits form a prefix; 0 when kv_len == 0 (padding)
+    used_splits = tl.cdiv(kv_len, per_split)   # 0 when kv_len == 0 (a padded row): its output is 0
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
+    out_base = part_out_ptr + seq * stride_po_s + head * stride_po_h
+    lse_base = part_lse_ptr + seq * stride_pl_s + head * stride_pl_h
 
-    m = float("-inf")
-    total = 0.0
+    # [BLOCK_D]-wide running max and sum keep every loop-carried value a tensor of one shape.
+    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
+    total = tl.zeros([BLOCK_D], tl.float32)
     acc = tl.zeros([BLOCK_D], tl.float32)
-    for split in range(0, used_splits):
-        lse = tl.load(part_lse_ptr + seq * stride_pl_s + head * stride_pl_h + split)
-        part = tl.load(part_out_ptr + seq * stride_po_s + head * stride_po_h + split * stride_po_split + dims,
-                       mask=dim_mask, other=0.0)
-        m_new = tl.maximum(m, lse)
-        alpha = tl.exp2(m - m_new)
-        weight = tl.exp2(lse - m_new)
-        acc = acc * alpha + weight * part
-        total = total * alpha + weight
-        m = m_new
+    if INTERPRET:
+        split = 0
+        while split < used_splits:
+            m, total, acc = _merge_split(out_base, lse_base, split, stride_po_split, dims, dim_mask, m, total, acc)
+            split += 1
+    else:
+        for split in range(0, used_splits):
+            m, total, acc = _merge_split(out_base, lse_base, split, stride_po_split, dims, dim_mask, m, total, acc)
     out = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
     tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
 
@@ -253,7 +302,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"], BLOCK_SIZE=block_size,
-        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q),
+        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     _decode_reduce_kernel[(num_seqs, num_heads)](
@@ -263,6 +312,7 @@ def decode_attention(
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
         HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
+        INTERPRET=_interpreted(),
     )
     return out
 
@@ -286,6 +336,7 @@ def _extend_kernel(
     stride_ot, stride_oh,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -299,7 +350,7 @@ def _extend_kernel(
     if m0 < q_len:
         rows = m0 + tl.arange(0, BLOCK_M)
         row_mask = rows < q_len
-        q_pos = kv_len - q_len + rows
+        row_pos = kv_len - q_len + rows   # >= 0, so key 0 is visible to every row (padded rows included)
         dims = tl.arange(0, BLOCK_D)
         dim_mask = dims < HEAD_DIM
         tokens = (q_start + rows).to(tl.int64)
@@ -312,34 +363,23 @@ def _extend_kernel(
         l_i = tl.zeros([BLOCK_M], tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
         table_row = block_table_ptr + seq * stride_bt
-        # Keys past the tile's last valid query are masked for every row of the tile.
-        kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)
-        for n0 in range(0, kv_end, BLOCK_N):
-            pos = n0 + tl.arange(0, BLOCK_N)
-            pos_mask = pos < kv_end
-            block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
-            offset = pos % BLOCK_SIZE
-            kv_mask = pos_mask[:, None] & dim_mask[None, :]
-            k = tl.load(k_cache_ptr + block[:, None] * stride_kc_block + offset[:, None] * stride_kc_off
-                        + kv_head * stride_kc_head + dims[None, :], mask=kv_mask, other=0.0)
-            v = tl.load(v_cache_ptr + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off
-                        + kv_head * stride_vc_head + dims[None, :], mask=kv_mask, other=0.0)
-            if DOT_FP32:
-                k = k.to(tl.float32)
-                v = v.to(tl.float32)
-            else:
-                k = k.to(q.dtype)
-                v = v.to(q.dtype)
-            scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
-            # Position 0 is visible to every row (q_pos >= 0), so each row's max is finite after the first tile.
-            visible = (pos[None, :] <= q_pos[:, None]) & pos_mask[None, :]
-            scores = tl.where(visible, scores, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(scores, 1))
-            p = tl.exp2(scores - m_new[:, None])
-            alpha = tl.exp2(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-            m_i = m_new
+        k_base = k_cache_ptr + kv_head * stride_kc_head
+        v_base = v_cache_ptr + kv_head * stride_vc_head
+        kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)   # causal: nothing past the tile's last row
+        if INTERPRET:
+            n0 = 0
+            while n0 < kv_end:
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kv_end, row_pos, table_row, k_base, v_base,
+                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                             DOT_PRECISION)
+                n0 += BLOCK_N
+        else:
+            for n0 in range(0, kv_end, BLOCK_N):
+                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kv_end, row_pos, table_row, k_base, v_base,
+                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                             DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -377,7 +417,7 @@ def extend_attention(
         out.stride(0), out.stride(1),
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
-        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q),
+        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return out
@@ -388,13 +428,13 @@ def extend_attention(
 # ---------------------------------------------------------------------------------------------------------------
 
 def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
-    if q.device.type != "cuda":  # interpreter: small tiles so tiny test contexts still span several tiles/splits
+    if _interpreted():  # small tiles so the tests' tiny contexts still span several tiles and splits
         return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
 
 
 def _extend_tiles(q: torch.Tensor) -> dict[str, int]:
-    if q.device.type != "cuda":
+    if _interpreted():
         return {"BLOCK_M": 16, "BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     if q.shape[2] > 128:
         return {"BLOCK_M": 64, "BLOCK_N": 32, "num_warps": 4, "num_stages": 1}
@@ -407,9 +447,13 @@ def _dot_precision(q: torch.Tensor) -> str:
 
 
 def _dot_in_fp32(q: torch.Tensor) -> bool:
-    # Triton 3.6's interpreter returns garbage for bf16 tl.dot (fp16 and fp32 are fine), so on CPU the kernels
-    # upcast bf16 operands; on the GPU they stay bf16 for the tensor cores.
-    return q.device.type != "cuda" and q.dtype == torch.bfloat16
+    # Triton 3.6's interpreter returns garbage for bf16 tl.dot (fp16 and fp32 are fine), so interpreted kernels
+    # upcast bf16 operands; compiled ones keep bf16 for the tensor cores.
+    return _interpreted() and q.dtype == torch.bfloat16
+
+
+def _interpreted() -> bool:
+    return bool(triton.knobs.runtime.interpret)
 
 
 def _last_dim_contiguous(x: torch.Tensor) -> torch.Tensor:

@@ -167,8 +167,12 @@ class RequestStream:
             self.finished = True
             self.owner._forget(self)
 
-    async def aclose(self) -> None:
-        """Stop reading; a request that has not finished is aborted and its KV blocks freed."""
+    def close(self) -> None:
+        """Stop reading; a request that has not finished is aborted and its KV blocks freed.
+
+        Synchronous on purpose: it runs in `finally` blocks of cancelled tasks, where an await would be
+        cancelled again before the abort was sent.
+        """
         if not self.finished:
             self.finished = True
             self.owner._forget(self)
@@ -218,10 +222,14 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
-    async def shutdown(self, timeout: float = 5.0) -> None:
-        """Abort everything in flight, stop the engine thread, wait for it up to `timeout` seconds."""
+    def begin_shutdown(self) -> None:
+        """Refuse new requests and finish every request in flight with "abort" (SIGTERM)."""
         self._stopping = True
         self.abort_all()
+
+    async def shutdown(self, timeout: float = 5.0) -> None:
+        """Abort everything in flight, stop the engine thread, wait for it up to `timeout` seconds."""
+        self.begin_shutdown()
         self._send(_Stop())
         if self._thread is not None:
             await asyncio.to_thread(self._thread.join, timeout)
@@ -247,7 +255,7 @@ class AsyncEngine:
         try:
             first = await stream.queue.get()
         except BaseException:
-            await stream.aclose()      # cancelled while waiting: the engine may have it already
+            stream.close()             # cancelled while waiting: the engine may have it already
             raise
         if first is _ABORTED:           # aborted before the engine answered; its abort follows the add
             stream.queue.put_nowait(_ABORTED)
@@ -264,7 +272,7 @@ class AsyncEngine:
             async for delta in stream:
                 yield delta
         finally:
-            await stream.aclose()
+            stream.close()
 
     def abort(self, request_id: str) -> None:
         """Abort a request: its open samples finish with "abort" and its KV blocks are freed."""

@@ -138,6 +138,7 @@ class Engine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_work() or bool(self._pending)
 
+    @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
         plan = self.scheduler.schedule()

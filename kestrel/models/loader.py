@@ -61,6 +61,7 @@ def load_weights(model: nn.Module, model_dir: Path, progress: Progress | None = 
     start = time.monotonic()
     if progress:
         progress.begin("loading_weights", total, "B")
+    files_done = 0
     for path in files:
         try:
             handle = safe_open(str(path), framework="pt", device="cpu")
@@ -87,6 +88,10 @@ def load_weights(model: nn.Module, model_dir: Path, progress: Progress | None = 
                 done += nbytes
                 if progress:
                     progress.update(done)
+        files_done += path.stat().st_size
+        done = files_done   # count headers too, so the phase ends at exactly its total
+        if progress:
+            progress.update(done)
     _check_complete(model, params, packed, loaded, tied, model_dir)
     seconds = time.monotonic() - start
     logger.info("loaded %.2f GB of weights from %d file(s) in %.1f s (%.2f GB/s)", total / 1e9, len(files),

@@ -1,0 +1,51 @@
+"""TritonAttentionBackend: the CUDA fast path (kernels in triton_kernels.py, oracle in torch_ref.py)."""
+from __future__ import annotations
+
+import torch
+
+from kestrel.attention import triton_kernels
+from kestrel.attention.base import AttentionBackend
+from kestrel.engine.batch import ForwardBatch
+
+
+class TritonAttentionBackend(AttentionBackend):
+    """Decode steps (one query per sequence) use split-K flash-decoding; anything else the extend kernel.
+
+    Under CUDA graphs the decode kernel must see the same scratch buffers on every replay, so the backend keeps
+    one set of split-K partials sized for the largest captured batch and shared by all layers (they run one
+    after another). Their head count and head_dim are only known at the first decode forward, so the runner must
+    run one eager decode step (its usual warm-up) after init_graph_buffers and before capturing.
+    """
+
+    name = "triton"
+
+    def __init__(self) -> None:
+        self._max_batch_size = 0
+        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+
+    def supports_graphs(self) -> bool:
+        return True
+
+    def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
+        self._max_batch_size = max_batch_size
+        self._partials = None   # (re)allocated at the next decode forward, sized for max_batch_size
+
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+        triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if batch.is_decode:
+            assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
+            return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
+                                                   partials=self._decode_partials(q))
+        return triton_kernels.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
+                                               batch.kv_lens, batch.max_query_len, scale)
+
+    def _decode_partials(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        if self._max_batch_size == 0:
+            return None   # no graphs: decode_attention allocates scratch per call
+        num_seqs, num_heads, head_dim = q.shape
+        partial_out = self._partials[0] if self._partials is not None else None
+        if (partial_out is None or partial_out.shape[0] < num_seqs or partial_out.device != q.device
+                or partial_out.shape[1] != num_heads or partial_out.shape[3] != head_dim):
+            rows = max(self._max_batch_size, num_seqs)
+            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, head_dim, q.device)
+        return self._partials

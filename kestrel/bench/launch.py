@@ -1,0 +1,296 @@
+"""Start a server command, tee its log, wait for readiness, tell slow-but-progressing from stalled, stop it.
+
+The server runs in its own session (process group), so stopping it reaches every worker it forked:
+SIGTERM to the group, then SIGKILL to whatever is left after the grace period.
+"""
+from __future__ import annotations
+
+import collections
+import enum
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, TextIO
+
+import httpx
+import psutil
+
+
+class LaunchExit(enum.IntEnum):
+    """`kestrel launch` exit codes (2 is a usage error, from the CLI)."""
+    READY = 0           # became ready (and --then succeeded, or serving ended by Ctrl-C / SIGTERM)
+    THEN_FAILED = 1     # ready, but the --then command exited non-zero
+    CRASHED = 3         # the server exited on its own (before ready, or while --then ran)
+    STALLED = 4         # no new log line and no /health progress for --stall-timeout seconds
+    TIMED_OUT = 5       # still progressing, but not ready within --ready-timeout
+
+
+@dataclass(frozen=True, slots=True)
+class LaunchConfig:
+    command: tuple[str, ...]
+    base_url: str
+    log_file: str
+    ready_timeout_s: float = 1800.0
+    stall_timeout_s: float = 300.0
+    then: str | None = None
+    grace_s: float = 10.0
+    poll_interval_s: float = 0.5
+    status_interval_s: float = 10.0
+
+
+@dataclass(frozen=True, slots=True)
+class Readiness:
+    ready: bool
+    phase: str | None = None          # Kestrel's /health body while starting
+    progress: float | None = None
+    elapsed_s: float | None = None
+
+
+def probe_readiness(base_url: str, timeout_s: float = 2.0) -> Readiness:
+    """Kestrel: /health is 503 {"phase","progress","elapsed_s"} until ready, then 200. Others: /health or
+    /v1/models answering 200 once the port is open."""
+    base = base_url.rstrip("/")
+    try:
+        with httpx.Client(timeout=timeout_s) as client:
+            resp = client.get(base + "/health")
+            if resp.status_code == 200:
+                return Readiness(True, "ready", 1.0)
+            if resp.status_code == 503:
+                try:
+                    body = resp.json()
+                except ValueError:
+                    body = {}
+                body = body if isinstance(body, dict) else {}
+                progress = body.get("progress")
+                return Readiness(False, body.get("phase"), progress if isinstance(progress, (int, float)) else None,
+                                 body.get("elapsed_s"))
+            return Readiness(client.get(base + "/v1/models").status_code == 200)
+    except httpx.HTTPError:
+        return Readiness(False)
+
+
+class ServerProcess:
+    """The server command in its own process group, its output teed to `echo` and a log file."""
+
+    def __init__(self, command: tuple[str, ...], log_file: str, echo: TextIO | None = None,
+                 keep_lines: int = 50) -> None:
+        Path(log_file).parent.mkdir(parents=True, exist_ok=True)
+        self.log_file = log_file
+        self._log = open(log_file, "w", encoding="utf-8", errors="replace")
+        self._echo = echo
+        self.last_lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
+        self.last_output_time = time.monotonic()
+        self.num_lines = 0
+        env = os.environ | {"PYTHONUNBUFFERED": "1"}   # log lines as they happen, not when a buffer fills
+        try:
+            self.proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                         stdin=subprocess.DEVNULL, start_new_session=True, env=env)
+        except OSError:
+            self._log.close()
+            raise
+        self._reader = threading.Thread(target=self._tee, daemon=True)
+        self._reader.start()
+
+    def _tee(self) -> None:
+        for raw in iter(self.proc.stdout.readline, b""):
+            line = raw.decode("utf-8", errors="replace")
+            self.last_lines.append(line.rstrip("\n"))
+            self.last_output_time = time.monotonic()
+            self.num_lines += 1
+            self._log.write(line)
+            self._log.flush()
+            if self._echo:
+                self._echo.write(line)
+                self._echo.flush()
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def exited(self) -> int | None:
+        return self.proc.poll()
+
+    def processes(self) -> list[psutil.Process]:
+        """The server and every descendant still alive."""
+        try:
+            root = psutil.Process(self.pid)
+            return [root, *root.children(recursive=True)]
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM the group (and descendants that left it), SIGKILL what is left after grace_s."""
+        procs = self.processes()
+        self._signal_all(procs, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace_s / 4) if self.proc.returncode is None else 1.0)
+        if alive or self.proc.poll() is None:
+            self._signal_all(alive, signal.SIGKILL)
+            self.proc.wait()
+            psutil.wait_procs(alive, timeout=5)
+        self._reader.join(timeout=5)
+        self._log.close()
+
+    def _signal_all(self, procs: list[psutil.Process], sig: signal.Signals) -> None:
+        try:
+            os.killpg(self.pid, sig)
+        except (ProcessLookupError, PermissionError):
+            pass
+        for p in procs:   # descendants that called setsid() are outside the group
+            try:
+                p.send_signal(sig)
+            except psutil.Error:
+                pass
+
+
+def diagnose(server: ServerProcess, out: TextIO, last_lines: int = 30) -> None:
+    """What a stalled server is doing: process tree with CPU time, GPU use, last log lines, py-spy stacks."""
+    print("---- process tree (pid, status, cpu user/sys s, rss MB, command) ----", file=out)
+    for p in server.processes():
+        try:
+            with p.oneshot():
+                cpu = p.cpu_times()
+                print(f"{p.pid:>8} {p.status():<10} {cpu.user:8.1f} {cpu.system:8.1f} "
+                      f"{p.memory_info().rss / 2**20:8.0f}  {' '.join(p.cmdline())[:160]}", file=out)
+        except psutil.Error:
+            continue
+    if shutil.which("nvidia-smi"):
+        print("---- GPUs (index, utilization, memory used, memory total) ----", file=out)
+        print(_run(["nvidia-smi", "--query-gpu=index,utilization.gpu,memory.used,memory.total",
+                    "--format=csv,noheader"]), file=out)
+    print(f"---- last {last_lines} log lines ({server.log_file}) ----", file=out)
+    for line in list(server.last_lines)[-last_lines:]:
+        print(line, file=out)
+    if shutil.which("py-spy"):
+        for p in server.processes():
+            try:
+                is_python = "python" in p.name().lower()
+            except psutil.Error:
+                continue
+            if is_python:
+                print(f"---- py-spy dump --pid {p.pid} ----", file=out)
+                print(_run(["py-spy", "dump", "--pid", str(p.pid)]), file=out)
+    out.flush()
+
+
+def _run(cmd: list[str]) -> str:
+    try:
+        res = subprocess.run(cmd, capture_output=True, text=True, timeout=30)
+        return (res.stdout + res.stderr).strip()
+    except (OSError, subprocess.SubprocessError) as exc:
+        return f"({' '.join(cmd[:2])} failed: {exc})"
+
+
+def _describe(state: Readiness, waited_s: float, idle_s: float) -> str:
+    parts = [f"waited {waited_s:.0f} s"]
+    if state.phase:
+        parts.append(f"phase {state.phase}")
+    if state.progress is not None:
+        parts.append(f"{100 * state.progress:.0f}%")
+    if state.elapsed_s is not None:
+        parts.append(f"server elapsed {float(state.elapsed_s):.0f} s")
+    parts.append(f"last activity {idle_s:.1f} s ago")
+    return ", ".join(parts)
+
+
+def wait_until_ready(server: ServerProcess, cfg: LaunchConfig, out: TextIO) -> LaunchExit:
+    """Poll until ready. Activity = a new log line or a change of (phase, progress) on /health."""
+    start = last_activity = last_status = time.monotonic()
+    last_key: tuple[Any, Any] | None = None
+    while True:
+        if server.exited() is not None:
+            server._reader.join(timeout=2)   # let the last lines land before reporting
+            print(f"[launch] server exited with code {server.exited()} before it was ready", file=out)
+            return LaunchExit.CRASHED
+        state = probe_readiness(cfg.base_url)
+        now = time.monotonic()
+        if state.ready:
+            print(f"[launch] ready at {cfg.base_url} after {now - start:.1f} s", file=out)
+            return LaunchExit.READY
+        if state.phase is not None and (state.phase, state.progress) != last_key:
+            last_key, last_activity = (state.phase, state.progress), now
+        last_activity = max(last_activity, server.last_output_time)
+        waited, idle = now - start, now - last_activity
+        if idle > cfg.stall_timeout_s:
+            print(f"[launch] STALLED: no log line and no progress for {idle:.0f} s "
+                  f"(--stall-timeout {cfg.stall_timeout_s:g}); {_describe(state, waited, idle)}", file=out)
+            diagnose(server, out)
+            return LaunchExit.STALLED
+        if waited > cfg.ready_timeout_s:
+            print(f"[launch] TIMED OUT: not ready after {waited:.0f} s (--ready-timeout "
+                  f"{cfg.ready_timeout_s:g}) though still progressing; {_describe(state, waited, idle)}", file=out)
+            diagnose(server, out)
+            return LaunchExit.TIMED_OUT
+        if now - last_status >= cfg.status_interval_s:
+            print(f"[launch] starting, slow but progressing: {_describe(state, waited, idle)}", file=out)
+            out.flush()
+            last_status = now
+        time.sleep(cfg.poll_interval_s)
+
+
+def run_then(command: str, base_url: str, server: ServerProcess, out: TextIO) -> LaunchExit:
+    """Run --then with {base_url} and $KESTREL_BASE_URL; a server crash meanwhile ends it."""
+    command = command.replace("{base_url}", base_url)
+    print(f"[launch] running: {command}", file=out)
+    out.flush()
+    then = subprocess.Popen(command, shell=True, env=os.environ | {"KESTREL_BASE_URL": base_url},
+                            start_new_session=True)
+    try:
+        while then.poll() is None:
+            if server.exited() is not None:
+                print(f"[launch] server exited with code {server.exited()} while --then ran", file=out)
+                return LaunchExit.CRASHED
+            time.sleep(0.2)
+    finally:
+        if then.poll() is None:
+            os.killpg(then.pid, signal.SIGTERM)
+            then.wait()
+    print(f"[launch] --then exited with code {then.returncode}", file=out)
+    return LaunchExit.READY if then.returncode == 0 else LaunchExit.THEN_FAILED
+
+
+class _Terminated(Exception):
+    pass
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated()
+
+
+def launch(cfg: LaunchConfig, out: TextIO = sys.stderr, echo: TextIO | None = sys.stdout) -> LaunchExit:
+    """Start, wait, optionally run --then (else serve until Ctrl-C / SIGTERM), and always stop the server."""
+    print(f"[launch] starting: {' '.join(cfg.command)} (log: {cfg.log_file})", file=out)
+    server = ServerProcess(cfg.command, cfg.log_file, echo)
+    in_main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    try:
+        outcome = wait_until_ready(server, cfg, out)
+        if outcome is not LaunchExit.READY:
+            return outcome
+        if cfg.then:
+            return run_then(cfg.then, cfg.base_url, server, out)
+        code = server.proc.wait()   # serve in the foreground until it exits or we are told to stop
+        print(f"[launch] server exited with code {code}", file=out)
+        return LaunchExit.READY if code == 0 else LaunchExit.CRASHED
+    except (KeyboardInterrupt, _Terminated):
+        print("[launch] interrupted: stopping the server", file=out)
+        return LaunchExit.READY
+    finally:
+        server.stop(cfg.grace_s)
+        print(f"[launch] server stopped (log: {cfg.log_file})", file=out)
+        if in_main:
+            signal.signal(signal.SIGTERM, previous)
+
+
+def health_summary(state: Readiness) -> str:
+    return json.dumps({"ready": state.ready, "phase": state.phase, "progress": state.progress})

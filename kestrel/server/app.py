@@ -1,0 +1,197 @@
+"""The FastAPI app: OpenAI-compatible endpoints in front of one AsyncEngine.
+
+    GET  /health                 {"phase", "progress", "elapsed_s"}: 503 while starting (or stalled/failed), 200 ready
+    GET  /metrics                Prometheus text, `kestrel:` namespace
+    GET  /version                {"version"}
+    GET  /v1/models              the served model
+    POST /v1/completions         text completions, streamed or not
+    POST /v1/chat/completions    chat completions, streamed or not
+
+Every error is answered in OpenAI's format {"error": {"message", "type", "param", "code"}}: 4xx for what the
+client got wrong, 503 while starting or when the queue is full, 500 only when the engine itself failed.
+"""
+from __future__ import annotations
+
+import hmac
+import logging
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import kestrel
+from kestrel.config import EngineConfig
+from kestrel.engine.async_engine import AsyncEngine
+from kestrel.server import chat, completions
+from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
+from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
+    run_to_completion, sampling_params
+from kestrel.server.startup import StartupProgress
+
+logger = logging.getLogger("kestrel.server")
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    api_key: str | None = None            # Bearer token required on /v1/*; None: open
+    max_queue: int | None = None          # requests waiting for their first token beyond which new ones get 503
+    stall_timeout_s: float | None = 300.0  # startup phase without progress this long -> "stalled" + stack dump
+    shutdown_timeout_s: float = 5.0       # how long to wait for the engine thread on shutdown
+
+
+class ServerState:
+    """What the handlers share; one per app."""
+
+    def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
+        self.config = config
+        self.model_name = engine_config.model_name
+        self.progress = StartupProgress(stall_timeout_s=config.stall_timeout_s)
+        self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue)
+        self.metrics = ServerMetrics(self.engine.stats, self.model_name)
+        self._token_text: TokenText | None = None
+
+    def token_text(self) -> TokenText:
+        if self._token_text is None:
+            self._token_text = TokenText(self.engine.tokenizer)
+        return self._token_text
+
+
+def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> FastAPI:
+    config = config or ServerConfig()
+    state = ServerState(engine_config, config)
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        state.progress.start_watchdog()
+        state.engine.start()   # constructs the Engine on its own thread; the port is open meanwhile
+        try:
+            yield
+        finally:
+            await state.engine.shutdown(config.shutdown_timeout_s)
+            state.progress.stop_watchdog()
+
+    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    app.state.kestrel = state
+    _add_error_handlers(app)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        status = state.progress.status()
+        return JSONResponse(status, status_code=200 if state.engine.ready else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+    @app.get("/version")
+    async def version() -> dict:
+        return {"version": kestrel.__version__}
+
+    @app.get("/v1/models")
+    async def models(request: Request) -> dict:
+        _check_auth(request, config.api_key)
+        card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kestrel",
+                "root": state.model_name}
+        if state.engine.ready:
+            card["max_model_len"] = state.engine.max_model_len
+        return {"object": "list", "data": [card]}
+
+    @app.post("/v1/completions")
+    async def create_completion(request: Request) -> Response:
+        _check_auth(request, config.api_key)
+        req = _parse(CompletionRequest, await request.body())
+        check_model(req.model, state.model_name)
+        completions.check_unsupported(req)
+        params = sampling_params(req, req.max_tokens, req.logprobs)
+        try:
+            prompts = completions.prompt_token_ids(req, state.engine.tokenizer)
+        except Exception as exc:   # noqa: BLE001 - not ready yet, or a prompt the tokenizer refuses
+            raise api_error_from(exc, param="prompt") from None
+        gen = Generation(state.engine, state.metrics, prompts, params, "cmpl")
+        return await _respond(request, gen, req.stream, req.stream_options, completions, state,
+                              want_logprobs=req.logprobs is not None, param="prompt")
+
+    @app.post("/v1/chat/completions")
+    async def create_chat_completion(request: Request) -> Response:
+        _check_auth(request, config.api_key)
+        req = _parse(ChatCompletionRequest, await request.body())
+        check_model(req.model, state.model_name)
+        params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req))
+        try:
+            prompt = chat.prompt_token_ids(req, state.engine.tokenizer)
+        except Exception as exc:   # noqa: BLE001
+            raise api_error_from(exc, param="messages") from None
+        gen = Generation(state.engine, state.metrics, [prompt], params, "chatcmpl")
+        return await _respond(request, gen, req.stream, req.stream_options, chat, state,
+                              want_logprobs=req.logprobs, param="messages")
+
+    return app
+
+
+async def _respond(request: Request, gen: Generation, stream: bool, stream_options, fmt, state: ServerState,
+                   want_logprobs: bool, param: str) -> Response:
+    """Submit (refusals become 4xx/503 before any byte is sent), then stream or collect the answer."""
+    try:
+        await gen.start()
+    except Exception as exc:   # noqa: BLE001
+        raise api_error_from(exc, param=param) from None
+    token_text = state.token_text()
+    if stream:
+        include_usage = bool(stream_options and stream_options.include_usage)
+        return StreamingResponse(fmt.stream(gen, state.model_name, token_text, want_logprobs, include_usage),
+                                 media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+    try:
+        finished = await run_to_completion(gen, request.receive)
+    except Exception as exc:   # noqa: BLE001
+        raise api_error_from(exc) from None
+    if not finished:
+        return Response(status_code=499)   # the client is gone; nobody reads this
+    return JSONResponse(fmt.response(gen, state.model_name, token_text, want_logprobs).model_dump())
+
+
+def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        if err["type"] == "json_invalid":
+            raise APIError(400, f"the request body is not valid JSON: {err['msg']}") from None
+        loc = ".".join(str(p) for p in err["loc"])
+        bad = f" (got {err['input']!r})" if loc and not isinstance(err.get("input"), (dict, list)) else ""
+        raise APIError(400, f"{loc or 'body'}: {err['msg']}{bad}", param=loc.split(".")[0] or None) from None
+
+
+def _check_auth(request: Request, api_key: str | None) -> None:
+    if api_key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), api_key.encode()):
+        raise APIError(401, "invalid or missing API key: send `Authorization: Bearer <key>`",
+                       code="invalid_api_key")
+
+
+def _add_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def api_error(_: Request, exc: APIError) -> JSONResponse:
+        return JSONResponse(exc.body(), status_code=exc.status)
+
+    @app.exception_handler(RequestValidationError)
+    async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        type_ = "not_found_error" if exc.status_code == 404 else "invalid_request_error"
+        return JSONResponse(error_body(str(exc.detail), type_), status_code=exc.status_code)
+
+    @app.exception_handler(Exception)
+    async def internal_error(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("unhandled error")
+        return JSONResponse(error_body(f"internal error: {type(exc).__name__}", "internal_server_error"),
+                            status_code=500)

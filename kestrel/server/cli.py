@@ -1,0 +1,46 @@
+"""`kestrel serve [MODEL]`: the OpenAI-compatible HTTP server."""
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+
+from kestrel.config import add_engine_args, config_from_args
+from kestrel.errors import KestrelError
+
+
+def add_parser(subparsers) -> None:
+    p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
+                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    add_engine_args(p, model_positional=True)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8000)
+    p.add_argument("--api-key", default=None,
+                   help="require `Authorization: Bearer KEY` on /v1/* (default: $KESTREL_API_KEY, else open)")
+    p.add_argument("--max-queue", type=int, default=None,
+                   help="requests waiting for their first token beyond which new ones get 503 (default: unbounded)")
+    p.add_argument("--stall-timeout", type=float, default=300.0,
+                   help="seconds a startup phase may go without progress before it is reported stalled and every "
+                        "thread's stack is logged (0: off)")
+    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def run(args: argparse.Namespace) -> int:
+    from kestrel.server.app import ServerConfig, build_app
+    from kestrel.server.server import KestrelServer
+
+    if args.max_queue is not None and args.max_queue < 0:
+        raise KestrelError(f"--max-queue {args.max_queue} is invalid: expected an integer >= 0")
+    if not 0 < args.port < 65536:
+        raise KestrelError(f"--port {args.port} is invalid: expected 1..65535")
+    logging.getLogger("kestrel").setLevel(args.log_level.upper())
+    engine_config = config_from_args(args)
+    server_config = ServerConfig(api_key=args.api_key or os.environ.get("KESTREL_API_KEY") or None,
+                                 max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None)
+    server = KestrelServer(build_app(engine_config, server_config), args.host, args.port, args.log_level)
+    # uvicorn restores the previous SIGTERM handler and re-raises the signal once it has shut down; a no-op
+    # handler there makes a graceful SIGTERM exit with status 0 instead of dying by the signal.
+    signal.signal(signal.SIGTERM, lambda *_: None)
+    server.run()
+    return 1 if server.startup_failed else 0

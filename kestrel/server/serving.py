@@ -1,0 +1,234 @@
+"""What /v1/completions and /v1/chat/completions share: request -> SamplingParams, submission to the AsyncEngine,
+per-choice accumulation, usage, metrics, and OpenAI-format errors.
+
+A request with several prompts (completions) becomes one engine request per prompt; choice index is
+`prompt_index * n + sample_index`, as in the OpenAI API.
+"""
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+import uuid
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+from kestrel.engine.async_engine import (AsyncEngine, Delta, EngineFailure, EngineNotReady, EngineOverloaded,
+                                         RequestStream)
+from kestrel.errors import KestrelError
+from kestrel.sampling_params import SamplingParams
+from kestrel.server.metrics import SampleTiming, ServerMetrics
+from kestrel.server.protocol import PromptTokensDetails, Usage, error_body
+
+DONE = "data: [DONE]\n\n"
+
+
+class APIError(Exception):
+    """An error answered in OpenAI's format; 4xx for the client's mistakes, 503 when busy or starting."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
+                 code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def body(self) -> dict:
+        return error_body(self.message, self.type, self.param, self.code)
+
+
+def api_error_from(exc: BaseException, param: str | None = None) -> APIError:
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineOverloaded):
+        return APIError(503, str(exc), "service_unavailable_error", code="queue_full")
+    if isinstance(exc, EngineNotReady):
+        return APIError(503, str(exc), "service_unavailable_error", code="not_ready")
+    if isinstance(exc, EngineFailure):
+        return APIError(500, str(exc), "internal_server_error", code="engine_error")
+    if isinstance(exc, KestrelError):
+        return APIError(400, str(exc), param=_param_named_in(str(exc)) or param)
+    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+
+
+def _param_named_in(message: str) -> str | None:
+    """SamplingParams messages start with `name=value is invalid`: that name is the OpenAI `param`."""
+    m = re.match(r"(\w+)=", message)
+    return m.group(1) if m else None
+
+
+def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; range errors become 400 naming the field."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if getattr(req, name):
+            raise APIError(400, f"{name}={getattr(req, name)} is not supported: Kestrel has no penalties yet "
+                                "(send 0 or leave it out)", param=name)
+    if max_tokens is not None and max_tokens < 1:
+        raise APIError(400, f"max_tokens={max_tokens} is invalid: expected an integer >= 1", param="max_tokens")
+    try:
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if req.temperature is None else req.temperature,
+            top_p=1.0 if req.top_p is None else req.top_p,
+            top_k=-1 if req.top_k is None else req.top_k,
+            min_p=0.0 if req.min_p is None else req.min_p,
+            seed=req.seed, n=req.n, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
+            skip_special_tokens=req.skip_special_tokens,
+        )
+    except KestrelError as exc:
+        raise api_error_from(exc) from None
+
+
+def check_model(requested: str | None, served: str) -> None:
+    if requested is not None and requested != served:
+        raise APIError(404, f"the model `{requested}` does not exist; this server serves `{served}`",
+                       param="model", code="model_not_found")
+
+
+# ---- running a request ----------------------------------------------------------------------------------------
+
+@dataclass
+class Choice:
+    """One output choice as it accumulates."""
+    index: int
+    timing: SampleTiming
+    text: list[str] = field(default_factory=list)
+    num_tokens: int = 0
+    logprobs: list = field(default_factory=list)   # TokenLogprob per token, when asked
+    finish_reason: str | None = None
+
+
+class Generation:
+    """One HTTP request in the engine: its prompts' streams merged into (choice, delta) events."""
+
+    def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[list[int]],
+                 params: SamplingParams, kind: str) -> None:
+        self.engine = engine
+        self.metrics = metrics
+        self.prompts = prompts
+        self.params = params
+        self.id = f"{kind}-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.arrival = time.monotonic()
+        n = params.n
+        self.choices = [Choice(i, SampleTiming(self.arrival)) for i in range(len(prompts) * n)]
+        self.cached_tokens = [0] * len(prompts)
+        self._streams: list[RequestStream] = []
+
+    async def start(self) -> None:
+        """Submit every prompt; a refusal (bad input, queue full) aborts the ones already in."""
+        try:
+            for i, ids in enumerate(self.prompts):
+                self._streams.append(await self.engine.submit(ids, self.params, f"{self.id}-{i}"))
+        except BaseException:
+            self.close()
+            raise
+
+    async def events(self) -> AsyncIterator[tuple[Choice, Delta]]:
+        """(choice, delta) in arrival order across prompts; each choice's state is updated before it is yielded."""
+        if len(self._streams) == 1:
+            async for delta in self._streams[0]:
+                yield self._update(0, delta), delta
+            return
+        merged: asyncio.Queue = asyncio.Queue()
+
+        async def pump(prompt_index: int, stream: RequestStream) -> None:
+            try:
+                async for delta in stream:
+                    merged.put_nowait((prompt_index, delta))
+            except BaseException as exc:   # noqa: BLE001 - re-raised by the reader
+                merged.put_nowait((prompt_index, exc))
+            finally:
+                merged.put_nowait((prompt_index, None))
+
+        tasks = [asyncio.create_task(pump(i, s)) for i, s in enumerate(self._streams)]
+        try:
+            open_streams = len(tasks)
+            while open_streams:
+                prompt_index, item = await merged.get()
+                if item is None:
+                    open_streams -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield self._update(prompt_index, item), item
+        finally:
+            for t in tasks:
+                t.cancel()
+
+    def _update(self, prompt_index: int, delta: Delta) -> Choice:
+        choice = self.choices[prompt_index * self.params.n + delta.index]
+        now = time.monotonic()
+        timing = choice.timing
+        if delta.index == 0:
+            self.cached_tokens[prompt_index] = delta.num_cached_tokens
+        if delta.queue_time_s is not None:
+            timing.queue_time_s = delta.queue_time_s
+        if delta.token_ids:
+            if timing.first_token_time is None:
+                timing.first_token_time = now
+            choice.num_tokens += len(delta.token_ids)
+        choice.text.append(delta.text)
+        if delta.logprobs:
+            choice.logprobs.extend(delta.logprobs)
+        if delta.finish_reason is not None:
+            choice.finish_reason = delta.finish_reason
+            timing.finish_time, timing.num_tokens, timing.finish_reason = now, choice.num_tokens, delta.finish_reason
+            self.metrics.observe_sample(timing)
+        return choice
+
+    def usage(self) -> Usage:
+        prompt_tokens = sum(len(p) for p in self.prompts)
+        completion_tokens = sum(c.num_tokens for c in self.choices)
+        return Usage(prompt_tokens=prompt_tokens, completion_tokens=completion_tokens,
+                     total_tokens=prompt_tokens + completion_tokens,
+                     prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
+
+    def close(self) -> None:
+        """Abort whatever has not finished (client gone, error, shutdown); frees its KV blocks. Synchronous:
+        it runs in `finally` blocks of cancelled tasks."""
+        for stream in self._streams:
+            stream.close()
+
+
+async def run_to_completion(generation: Generation, receive) -> bool:
+    """Drain a non-streaming generation; False (and the request aborted) if the client disconnected first."""
+    async def drain() -> None:
+        async for _ in generation.events():
+            pass
+
+    async def wait_disconnect() -> None:
+        while (await receive())["type"] != "http.disconnect":
+            pass
+
+    work = asyncio.create_task(drain())
+    watch = asyncio.create_task(wait_disconnect())
+    try:
+        await asyncio.wait({work, watch}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        watch.cancel()
+        if not work.done():
+            work.cancel()
+        await asyncio.gather(work, return_exceptions=True)
+        generation.close()
+    if work.cancelled():
+        return False
+    work.result()   # re-raise an engine failure
+    return True
+
+
+def sse(payload: str) -> str:
+    return f"data: {payload}\n\n"
+
+
+class TokenText:
+    """Token id -> its text for logprobs (cached: a vocabulary is finite and tokens repeat)."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._cache: dict[int, str] = {}
+
+    def __call__(self, token_id: int) -> str:
+        text = self._cache.get(token_id)
+        if text is None:
+            text = self._cache[token_id] = self.tokenizer.decode([token_id], skip_special_tokens=False)
+        return text

@@ -1,0 +1,70 @@
+"""Scheduler budget rules: token budget per step, decodes before new prefills, max_num_seqs, preemption."""
+from __future__ import annotations
+
+from kestrel.cache.block_pool import BlockPool
+from kestrel.cache.radix import NoPrefixCache
+from kestrel.engine.request import Sequence, SeqStatus
+from kestrel.engine.scheduler import Scheduler
+from kestrel.sampling_params import SamplingParams
+
+
+def seq(i: int, prompt_len: int) -> Sequence:
+    return Sequence(i, f"r{i}", 0, list(range(prompt_len)), SamplingParams(max_tokens=8))
+
+
+def run_step(s: Scheduler):
+    """Pretend the model ran: mark computed tokens, and give sequences that finished a prompt one output token."""
+    plan = s.schedule()
+    for item in plan.scheduled:
+        item.seq.num_computed_tokens = item.start + item.num_tokens
+        if item.seq.num_computed_tokens == item.seq.num_tokens:
+            item.seq.output_token_ids.append(1)
+    return plan
+
+
+def test_step_never_exceeds_token_budget_and_chunks_long_prompts():
+    s = Scheduler(BlockPool(100, 4), NoPrefixCache(), max_num_seqs=8, max_num_batched_tokens=10)
+    s.add(seq(0, 25))
+    sizes = [run_step(s).num_tokens for _ in range(3)]
+    assert sizes == [10, 10, 5 + 0]        # 25-token prompt in chunks of 10, 10, 5
+    assert run_step(s).scheduled[0].num_tokens == 1   # then decode
+
+
+def test_decodes_are_scheduled_before_new_prefills():
+    s = Scheduler(BlockPool(100, 4), NoPrefixCache(), max_num_seqs=8, max_num_batched_tokens=8)
+    s.add(seq(0, 4))
+    run_step(s)                                # seq 0 prefilled, now decoding
+    s.add(seq(1, 20))
+    plan = run_step(s)
+    assert [(p.seq.seq_id, p.num_tokens) for p in plan.scheduled] == [(0, 1), (1, 7)]
+
+
+def test_max_num_seqs_caps_running():
+    s = Scheduler(BlockPool(100, 4), NoPrefixCache(), max_num_seqs=2, max_num_batched_tokens=100)
+    for i in range(4):
+        s.add(seq(i, 3))
+    plan = run_step(s)
+    assert len(plan.scheduled) == 2 and len(s.running) == 2 and len(s.waiting) == 2
+
+
+def test_out_of_blocks_preempts_the_latest_running_sequence():
+    pool = BlockPool(4, 4)                     # 16 tokens in all
+    s = Scheduler(pool, NoPrefixCache(), max_num_seqs=8, max_num_batched_tokens=100)
+    a, b = seq(0, 8), seq(1, 8)                # each fills 2 blocks exactly
+    s.add(a)
+    s.add(b)
+    run_step(s)
+    plan = run_step(s)                         # both need a third block: b is preempted so a can grow
+    assert b in plan.preempted and b.status is SeqStatus.WAITING and b.num_computed_tokens == 0
+    assert a.status is SeqStatus.RUNNING and len(a.block_ids) == 3
+    pool.check_invariants()
+
+
+def test_finish_returns_blocks():
+    pool = BlockPool(10, 4)
+    s = Scheduler(pool, NoPrefixCache(), max_num_seqs=8, max_num_batched_tokens=100)
+    a = seq(0, 9)
+    s.add(a)
+    run_step(s)
+    s.finish(a, "stop")
+    assert pool.num_free == 10 and a.finish_reason == "stop" and not s.has_work()
