@@ -8,6 +8,16 @@ import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
+
+def _has_cuda() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
+
+
+# tests/gpu runs through the GPU suite (scripts/gpu_suite.sh); CPU machines skip it.
+collect_ignore = [] if _has_cuda() else ["gpu"]
+
 ARCH_OVERRIDES = {
     "llama": dict(),
     "llama3": dict(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,

@@ -1,0 +1,196 @@
+"""GPU benchmark suite: Kestrel in-process vs HF transformers, on random weights in real shapes.
+
+For each model: startup split by phase; single-stream decode (prompt 128, 256 new tokens, 3 prompts one at a
+time) with and without CUDA graphs and per attention backend; TTFT of one 128-token prompt; output throughput
+at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory; the bs1 roofline (weight bytes
+per step / measured copy bandwidth); and HF transformers eager `generate` on the same weights in the same run.
+
+    python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.shapes import SHAPES, write_random_checkpoint
+from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.progress import Progress
+from kestrel.sampling_params import SamplingParams
+
+log = logging.getLogger("bench")
+
+
+def copy_bandwidth_bytes_per_s() -> float:
+    """Device-to-device copy rate, counting bytes read plus bytes written (the figure the roofline uses)."""
+    x = torch.empty(2 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(3):
+        y.copy_(x)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(10):
+        y.copy_(x)
+    end.record()
+    torch.cuda.synchronize()
+    seconds = start.elapsed_time(end) / 1000 / 10
+    del x, y
+    return 2 * (2 << 30) / seconds
+
+
+def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    t0 = time.perf_counter()
+    first: dict[str, float] = {}
+    for i, p in enumerate(prompts):
+        engine.add_request(f"b{i}-{t0}", p, params)
+    tokens = 0
+    while engine.has_unfinished():
+        for up in engine.step():
+            if up.new_token_ids and up.request_id not in first:
+                first[up.request_id] = time.perf_counter() - t0
+            tokens += len(up.new_token_ids)
+    wall = time.perf_counter() - t0
+    return {"wall_s": wall, "output_tokens": tokens, "ttft_s": sorted(first.values())}
+
+
+def single_stream(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Prompts one at a time (the tuning report's method): tok/s = all output tokens / all wall time."""
+    walls, ttfts, tokens = [], [], 0
+    for p in prompts:
+        r = run_requests(engine, [p], max_tokens)
+        walls.append(r["wall_s"])
+        ttfts.append(r["ttft_s"][0])
+        tokens += r["output_tokens"]
+    wall = sum(walls)
+    decode_s = sum(w - t for w, t in zip(walls, ttfts))
+    return {"tok_s": tokens / wall, "ms_per_token": 1000 * wall / tokens,
+            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts)}
+
+
+def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    rng = random.Random(seed)
+    return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
+
+
+def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
+    progress = Progress()
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=args.concurrency,
+                                 max_num_seqs=max(256, args.concurrency)), progress)
+    results["startup_s"] = time.perf_counter() - t0
+    results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
+    runner = engine.runner
+    results["attention_backend"] = runner.backend.name
+    results["weight_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    graphs = runner.graphs
+    results["cuda_graph_memory_gib"] = graphs.memory_bytes / 2**30 if graphs else None
+    results["kv_cache_tokens"] = engine.pool.num_blocks * engine.pool.block_size
+    prompts = random_prompts(3, 128, vocab, 0)
+    run_requests(engine, prompts[:1], 8)   # warm-up
+    one = random_prompts(1, 128, vocab, 1)
+    ttfts = [run_requests(engine, one, 1)["ttft_s"][0] for _ in range(5)]
+    results["ttft_128_ms"] = 1000 * sorted(ttfts)[2]
+    conc = random_prompts(args.concurrency, 128, vocab, 2)
+
+    def throughput() -> dict:
+        r = run_requests(engine, conc, args.output_len)
+        return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"],
+                "ttft_p50_ms": 1000 * r["ttft_s"][len(r["ttft_s"]) // 2]}
+
+    variants = {}
+    variants[f"{runner.backend.name}+graphs" if graphs else runner.backend.name] = {
+        "bs1": single_stream(engine, prompts, args.output_len), "c128": throughput()}
+    if graphs:
+        runner.graphs = None
+        variants[f"{runner.backend.name} eager"] = {"bs1": single_stream(engine, prompts, args.output_len),
+                                                   "c128": throughput()}
+    from kestrel.attention.select import available_backends, select_backend
+    main_backend = runner.backend
+    for name in available_backends(runner.device):
+        if name == main_backend.name:
+            continue
+        try:
+            runner.backend = select_backend(name, runner.device)
+            variants[f"{name} eager"] = {"bs1": single_stream(engine, prompts[:1], args.output_len)}
+        except Exception as exc:  # an optional backend failing must not lose the other numbers
+            variants[f"{name} eager"] = {"error": repr(exc)[:300]}
+    runner.backend = main_backend
+    runner.graphs = graphs
+    results["kestrel"] = variants
+    del engine
+    torch.cuda.empty_cache()
+
+
+def bench_hf(model_dir: Path, vocab: int, args, results: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+
+    def gen(batch: int, new: int) -> float:
+        ids = torch.tensor(random_prompts(batch, 128, vocab, 3), device="cuda")
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                       do_sample=False, eos_token_id=None, pad_token_id=0)
+        torch.cuda.synchronize()
+        return batch * new / (time.perf_counter() - t)
+
+    gen(1, 4)
+    results["hf_eager"] = {"bs1_tok_s": gen(1, args.hf_tokens),
+                           "bs128_tok_s": gen(args.concurrency, args.hf_tokens),
+                           "note": f"{args.hf_tokens} new tokens per request (fewer than 256 to save device time)"}
+    del model
+    torch.cuda.empty_cache()
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default="kestrel-tiny,qwen3-0.6b,llama-3.1-8b")
+    ap.add_argument("--out", default="bench_results.json")
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--concurrency", type=int, default=128)
+    ap.add_argument("--hf-tokens", type=int, default=32)
+    ap.add_argument("--skip-hf", action="store_true")
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
+    workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-"))
+    bw = copy_bandwidth_bytes_per_s()
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_tb_s": bw / 1e12,
+              "models": {}}
+    for name in args.models.split(","):
+        res: dict = {}
+        report["models"][name] = res
+        try:
+            if name == "kestrel-tiny":
+                model_dir, vocab = DEFAULT_MODEL_DIR, json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+            else:
+                t = time.perf_counter()
+                model_dir = write_random_checkpoint(name, workdir / name)
+                res["checkpoint_write_s"] = time.perf_counter() - t
+                vocab = SHAPES[name]["vocab_size"]
+            bench_kestrel(model_dir, vocab, args, res)
+            res["roofline_bs1_tok_s"] = bw / res["weight_bytes"]  # every weight byte read once per step
+            if not args.skip_hf:
+                bench_hf(model_dir, vocab, args, res)
+        except Exception as exc:
+            log.exception("benchmark of %s failed", name)
+            res["error"] = repr(exc)[:500]
+        Path(args.out).write_text(json.dumps(report, indent=1))
+    Path(args.out).write_text(json.dumps(report, indent=1))
+    print(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
