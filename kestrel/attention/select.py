@@ -1,7 +1,7 @@
 """Pick an attention backend by name: "torch" (reference, any device), "triton", "flashinfer" (CUDA only)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 
 import torch
 
@@ -52,4 +52,9 @@ def _resolve_device(device: torch.device | str | None) -> torch.device:
 
 
 def _importable(module: str) -> bool:
-    return importlib.util.find_spec(module) is not None
+    # Installed is not enough: a wheel built for another CUDA or torch fails at import time.
+    try:
+        importlib.import_module(module)
+    except Exception:  # noqa: BLE001 - any import failure means "not usable here"
+        return False
+    return True

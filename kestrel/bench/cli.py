@@ -6,8 +6,6 @@ import math
 import sys
 from pathlib import Path
 
-from kestrel.errors import KestrelError
-
 
 def _ints(text: str) -> tuple[int, ...]:
     try:

@@ -15,7 +15,7 @@ from typing import Any
 import aiohttp
 
 from kestrel.bench.datasets import BenchRequest
-from kestrel.bench.metrics import token_gaps
+from kestrel.bench.metrics import reconcile_chunk_tokens, token_gaps
 from kestrel.bench.tokenizer import BenchTokenizer
 from kestrel.errors import KestrelError
 
@@ -63,7 +63,8 @@ class RequestRecord:
     e2e: float | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
-    token_source: str = "chunks"        # usage | tokenizer | chunks (see count_tokens)
+    token_source: str = "chunks"        # usage | tokenizer | chunks | words (see count_tokens)
+    chunk_token_source: str | None = None   # streamed: usage (per-chunk usage) | tokenizer | one-per-chunk
     chunk_times: list[float] = field(default_factory=list)
     chunk_tokens: list[int] = field(default_factory=list)
     itl: list[float] = field(default_factory=list)
@@ -92,6 +93,7 @@ class _StreamState:
         self.usage_tokens: int | None = None     # last completion_tokens seen (cumulative)
         self.prompt_tokens: int | None = None
         self.finish_reason: str | None = None
+        self.per_chunk_usage = False
 
     def add(self, obj: dict[str, Any], now: float, record: RequestRecord) -> None:
         if obj.get("error"):
@@ -106,6 +108,7 @@ class _StreamState:
             total = int(usage["completion_tokens"])
             if choices:   # continuous usage: this chunk's tokens are the growth of the running count
                 tokens = total - (self.usage_tokens or 0)
+                self.per_chunk_usage = True
             self.usage_tokens = total
         if usage.get("prompt_tokens") is not None:
             self.prompt_tokens = int(usage["prompt_tokens"])
@@ -153,6 +156,10 @@ async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: Ben
                     state.add(json.loads(data), now, record)
                 text, usage_tokens, prompt_tokens = "".join(state.text), state.usage_tokens, state.prompt_tokens
                 record.finish_reason = state.finish_reason
+                record.chunk_token_source = ("usage" if state.per_chunk_usage else
+                                             "tokenizer" if tokenizer else "one-per-chunk")
+                if usage_tokens is not None and not state.per_chunk_usage:
+                    record.chunk_tokens = reconcile_chunk_tokens(record.chunk_tokens, usage_tokens)
             else:
                 obj = await resp.json(content_type=None)
                 if obj.get("error"):
@@ -223,6 +230,7 @@ async def run_load(api: ApiOptions, requests: Sequence[BenchRequest], concurrenc
 
     if not requests:
         raise KestrelError("the dataset is empty: expected --num-prompts >= 1")
+    assert duration_s is None or concurrency or request_rate != float("inf"), "an unbounded duration run"
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     bar = tqdm(total=None if duration_s else len(requests), disable=not progress, unit="req", leave=False)

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import collections
 import enum
-import json
 import os
 import shutil
 import signal
@@ -30,6 +29,7 @@ class LaunchExit(enum.IntEnum):
     CRASHED = 3         # the server exited on its own (before ready, or while --then ran)
     STALLED = 4         # no new log line and no /health progress for --stall-timeout seconds
     TIMED_OUT = 5       # still progressing, but not ready within --ready-timeout
+    INTERRUPTED = 130   # Ctrl-C or SIGTERM before the server was ready
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,28 +118,44 @@ class ServerProcess:
         return self.proc.poll()
 
     def processes(self) -> list[psutil.Process]:
-        """The server and every descendant still alive."""
+        """The server, its descendants and anything else left in its process group, while alive."""
+        found: dict[int, psutil.Process] = {}
         try:
             root = psutil.Process(self.pid)
-            return [root, *root.children(recursive=True)]
+            found = {p.pid: p for p in [root, *root.children(recursive=True)]}
         except psutil.NoSuchProcess:
-            return []
+            pass
+        for p in psutil.process_iter():
+            try:
+                if p.pid not in found and os.getpgid(p.pid) == self.pid:
+                    found[p.pid] = p
+            except (OSError, psutil.Error):
+                continue
+        return _living(list(found.values()))
+
+    def drain(self) -> None:
+        """Wait (briefly) for the last output lines after the process exited."""
+        self._reader.join(timeout=2)
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM the group (and descendants that left it), SIGKILL what is left after grace_s."""
         procs = self.processes()
         self._signal_all(procs, signal.SIGTERM)
-        try:
-            self.proc.wait(timeout=grace_s)
-        except subprocess.TimeoutExpired:
-            pass
-        _, alive = psutil.wait_procs(procs, timeout=max(0.0, grace_s / 4) if self.proc.returncode is None else 1.0)
-        if alive or self.proc.poll() is None:
-            self._signal_all(alive, signal.SIGKILL)
-            self.proc.wait()
-            psutil.wait_procs(alive, timeout=5)
-        self._reader.join(timeout=5)
+        if self._wait_gone(procs, grace_s):
+            self._signal_all(_living(procs), signal.SIGKILL)
+            self._wait_gone(procs, 5.0)
+        self.proc.wait()
+        self.drain()
         self._log.close()
+
+    def _wait_gone(self, procs: list[psutil.Process], timeout_s: float) -> list[psutil.Process]:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            self.proc.poll()   # reap our own child so it does not linger as a zombie
+            left = _living(procs)
+            if not left or time.monotonic() > deadline:
+                return left
+            time.sleep(0.05)
 
     def _signal_all(self, procs: list[psutil.Process], sig: signal.Signals) -> None:
         try:
@@ -151,6 +167,18 @@ class ServerProcess:
                 p.send_signal(sig)
             except psutil.Error:
                 pass
+
+
+def _living(procs: list[psutil.Process]) -> list[psutil.Process]:
+    """Processes still running (zombies are dead: only their parent's wait is missing)."""
+    alive = []
+    for p in procs:
+        try:
+            if p.is_running() and p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(p)
+        except psutil.Error:
+            continue
+    return alive
 
 
 def diagnose(server: ServerProcess, out: TextIO, last_lines: int = 30) -> None:
@@ -209,7 +237,7 @@ def wait_until_ready(server: ServerProcess, cfg: LaunchConfig, out: TextIO) -> L
     last_key: tuple[Any, Any] | None = None
     while True:
         if server.exited() is not None:
-            server._reader.join(timeout=2)   # let the last lines land before reporting
+            server.drain()   # let the last lines land before reporting
             print(f"[launch] server exited with code {server.exited()} before it was ready", file=out)
             return LaunchExit.CRASHED
         state = probe_readiness(cfg.base_url)
@@ -267,8 +295,12 @@ def _raise_terminated(signum, frame) -> None:
     raise _Terminated()
 
 
-def launch(cfg: LaunchConfig, out: TextIO = sys.stderr, echo: TextIO | None = sys.stdout) -> LaunchExit:
-    """Start, wait, optionally run --then (else serve until Ctrl-C / SIGTERM), and always stop the server."""
+def launch(cfg: LaunchConfig, out: TextIO | None = None, echo: TextIO | None = None) -> LaunchExit:
+    """Start, wait, optionally run --then (else serve until Ctrl-C / SIGTERM), and always stop the server.
+
+    Status goes to `out` (default stderr), the server's own output to `echo` (default stdout) and the log file.
+    """
+    out, echo = out or sys.stderr, echo or sys.stdout
     print(f"[launch] starting: {' '.join(cfg.command)} (log: {cfg.log_file})", file=out)
     server = ServerProcess(cfg.command, cfg.log_file, echo)
     in_main = threading.current_thread() is threading.main_thread()
@@ -284,13 +316,9 @@ def launch(cfg: LaunchConfig, out: TextIO = sys.stderr, echo: TextIO | None = sy
         return LaunchExit.READY if code == 0 else LaunchExit.CRASHED
     except (KeyboardInterrupt, _Terminated):
         print("[launch] interrupted: stopping the server", file=out)
-        return LaunchExit.READY
+        return LaunchExit.READY if probe_readiness(cfg.base_url).ready else LaunchExit.INTERRUPTED
     finally:
         server.stop(cfg.grace_s)
         print(f"[launch] server stopped (log: {cfg.log_file})", file=out)
         if in_main:
             signal.signal(signal.SIGTERM, previous)
-
-
-def health_summary(state: Readiness) -> str:
-    return json.dumps({"ready": state.ready, "phase": state.phase, "progress": state.progress})

@@ -38,6 +38,28 @@ def token_gaps(chunk_times: Sequence[float], chunk_tokens: Sequence[int]) -> lis
     return gaps
 
 
+def reconcile_chunk_tokens(estimates: Sequence[int], total: int) -> list[int]:
+    """Make per-chunk token estimates (re-tokenized chunk text, or 1 each) add up to the server's total.
+
+    As many chunks as tokens: one each. Otherwise the total is shared in proportion to the estimates (largest
+    remainders first), at least one token per chunk while there are enough tokens.
+    """
+    n = len(estimates)
+    if n == 0 or total <= 0 or sum(estimates) == total:
+        return list(estimates)
+    if n == total:
+        return [1] * n
+    floor = 1 if total >= n else 0
+    spare = total - floor * n
+    weights = [max(e, 1) for e in estimates]
+    shares = [spare * w / sum(weights) for w in weights]
+    out = [floor + int(x) for x in shares]
+    by_remainder = sorted(range(n), key=lambda i: shares[i] - int(shares[i]), reverse=True)
+    for i in by_remainder[:total - sum(out)]:
+        out[i] += 1
+    return out
+
+
 def distribution(values: Sequence[float], scale: float = 1.0) -> dict[str, float | None]:
     """mean, std, min, max and p50/p90/p99 (linear interpolation, as numpy and vLLM) of values * scale."""
     keys = ["mean", "std", "min", "max"] + [f"p{p}" for p in PERCENTILES]

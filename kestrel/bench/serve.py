@@ -72,6 +72,10 @@ class ServeConfig:
             value = getattr(self, name)
             if value is not None and value < 1:
                 raise KestrelError(f"--{name.replace('_', '-')} {value} is invalid: expected an integer >= 1")
+        if self.duration_s is not None and (self.duration_s <= 0 or (not self.concurrency and not self.preset
+                                                                     and math.isinf(self.request_rate))):
+            raise KestrelError(f"--duration {self.duration_s} is invalid: expected seconds > 0, with --concurrency "
+                               "or --request-rate (otherwise requests would be issued without bound)")
         parse_slo(self.slo)
 
 
