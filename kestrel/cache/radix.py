@@ -72,6 +72,8 @@ class PrefixCacheStats:
 class PrefixCache(ABC):
     """What the scheduler calls; see the module docstring for who owns which block reference."""
 
+    is_disabled = False
+
     def __init__(self) -> None:
         self.stats = PrefixCacheStats()
 
@@ -110,6 +112,8 @@ class PrefixCache(ABC):
 
 class NoPrefixCache(PrefixCache):
     """--disable-prefix-cache: the same interface, caching nothing (still counts queries for the metrics)."""
+
+    is_disabled = True
 
     def match(self, token_ids: Sequence[int]) -> PrefixMatch:
         self._record(len(token_ids), 0)

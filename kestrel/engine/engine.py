@@ -89,7 +89,7 @@ class Engine:
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + index)
             seqs.append(Sequence(next(self._seq_ids), request_id, index, list(prompt_token_ids), params,
-                                 generator=gen))
+                                 generator=gen, prefill_leader=seqs[0] if seqs else None))
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_token_ids) * params.n
         for seq in seqs:
@@ -155,6 +155,8 @@ class Engine:
         output = self.runner.forward(batch)
         for s in plan.scheduled:
             s.seq.num_computed_tokens = s.start + s.num_tokens
+            if s.completes_prompt and s.seq.num_output_tokens == 0:
+                self.scheduler.cache_prompt(s.seq)
         if sampling:
             updates += self._sample_and_update(sampling, output.logits)
         return updates

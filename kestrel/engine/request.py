@@ -42,6 +42,7 @@ class Sequence:
     finished_time: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request seed: same seed, same samples
+    prefill_leader: "Sequence | None" = None  # sample 0 of the request, for samples 1..n-1
 
     @property
     def num_prompt_tokens(self) -> int:

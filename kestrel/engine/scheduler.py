@@ -78,8 +78,12 @@ class Scheduler:
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
             i += 1
+        skipped: list[Sequence] = []
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs and not preempted:
             seq = self.waiting[0]
+            if self._waits_for_sibling(seq):
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.num_computed_tokens == 0 and not seq.block_ids:
                 self._match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
@@ -92,7 +96,15 @@ class Scheduler:
             self.running.append(seq)
             scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
             budget -= num_new
+        self.waiting.extendleft(reversed(skipped))
         return StepPlan(scheduled, preempted)
+
+    def _waits_for_sibling(self, seq: Sequence) -> bool:
+        """Samples 1..n-1 of a request wait until sample 0 has prefilled the prompt, then share its blocks
+        through the prefix cache instead of computing the same prompt n times."""
+        first = seq.prefill_leader
+        return (first is not None and not self.prefix_cache.is_disabled and not first.is_finished
+                and first.num_computed_tokens < first.num_prompt_tokens)
 
     def _match_prefix(self, seq: Sequence) -> None:
         match = self.prefix_cache.match(seq.token_ids())
@@ -124,6 +136,10 @@ class Scheduler:
         seq.num_preemptions += 1
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
+
+    def cache_prompt(self, seq: Sequence) -> None:
+        """Publish a freshly prefilled prompt's full blocks, so siblings and later requests reuse them at once."""
+        self.prefix_cache.insert(seq.prompt_token_ids[: seq.num_computed_tokens], seq.block_ids)
 
     def finish(self, seq: Sequence, reason: str) -> None:
         """Remove a sequence wherever it is and return its blocks (its full blocks go to the prefix cache)."""
