@@ -10,6 +10,7 @@ per step / measured copy bandwidth); and HF transformers eager `generate` on the
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import random
@@ -127,7 +128,8 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     runner.backend = main_backend
     runner.graphs = graphs
     results["kestrel"] = variants
-    del engine
+    del engine, runner, graphs, main_backend
+    gc.collect()
     torch.cuda.empty_cache()
 
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kestrel.config import EngineConfig
+from kestrel.engine.output import TextAssembler
 from kestrel.errors import KestrelError
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
@@ -99,8 +100,6 @@ class RequestStream:
     """One request's outputs on the event loop side: a queue of step updates, turned into Deltas on read."""
 
     def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams) -> None:
-        from kestrel.engine.output import TextAssembler
-
         self.owner = owner
         self.request_id = request_id
         self.params = params
@@ -336,7 +335,7 @@ class AsyncEngine:
     # ---- engine thread ----------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        from kestrel.engine.engine import Engine
+        from kestrel.engine.engine import Engine   # imports torch: here, so the port is open while it loads
 
         try:
             engine = Engine(self.config, progress=self.progress)

@@ -1,23 +1,32 @@
-"""CUDA graphs for steps with a fixed number of query tokens per sequence (decode: 1; verify later: k + 1).
+"""CUDA graphs for decode steps, built so that one step costs three CUDA API calls on the host.
+
+On a slow host every CUDA call (a copy, a launch) costs tens of microseconds, so a decode step is:
+one host-to-device copy of a packed input buffer, one graph replay, one device-to-host copy of the tokens.
 
 One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to --cuda-graph-max-bs), captured largest
-first so every graph reuses one shared memory pool. A step with B sequences replays the smallest bucket >= B
-after copying its inputs into the static buffers; rows past B are padding:
+first so all graphs share one memory pool. Rows past the real batch size are padding.
 
-    static buffers (max_bs rows x query_len tokens):
-      input_ids, positions, slot_mapping  [max_bs * query_len]   padding: token 0, position 0, slot -1 (no write)
-      kv_lens                             [max_bs]               padding: 1 (attends to one junk slot, ignored)
-      block_table                         [max_bs, max_blocks]   padding rows: block 0
+Block tables live on the device across steps ("persistent rows"): each running sequence owns a row of
+
+    tables: [max_rows + 1, max_blocks_per_seq]      the last row is a dummy that padding reads and writes
+
+and a step only ships the blocks appended since the sequence's last graph step, as (row, col, block) triples
+that the graph scatters into `tables` before gathering the batch's rows. The packed input buffer (int64):
+
+    | input_ids [B] | positions [B] | slot_mapping [B] | kv_lens [B] | rows [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+      padding rows: token 0, position 0, slot -1 (no KV write), kv_len 1, row = dummy; padding updates hit the dummy row
 """
 from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import ForwardBatch, ForwardOutput
+from kestrel.engine.batch import ForwardBatch
+from kestrel.engine.request import Sequence
 from kestrel.progress import Progress
 
 logger = logging.getLogger("kestrel.cuda_graphs")
@@ -31,78 +40,161 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return buckets
 
 
+@dataclass(slots=True)
+class GraphStepOutput:
+    logits: torch.Tensor         # [bs, vocab] float32 (a view of the graph's static output)
+    greedy_tokens: list[int]     # argmax per row, already on the host
+
+
+@dataclass(slots=True)
+class _RowState:
+    row: int
+    written: int                 # blocks of the sequence already in its device row
+    generation: int              # the sequence's preemption count when the row was written
+
+
 class CudaGraphRunner:
-    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, query_len: int = 1) -> None:
+    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int) -> None:
         self.runner = runner
-        self.query_len = query_len
         self.max_bs = max_bs
         self.buckets = batch_size_buckets(max_bs)
+        self.max_updates = 2 * max_bs
+        self.max_rows = max_rows
+        self.dummy_row = max_rows
         device = runner.device
-        n = max_bs * query_len
-        self.input_ids = torch.zeros(n, dtype=torch.int64, device=device)
-        self.positions = torch.zeros(n, dtype=torch.int64, device=device)
-        self.slot_mapping = torch.full((n,), -1, dtype=torch.int64, device=device)
-        self.kv_lens = torch.ones(max_bs, dtype=torch.int32, device=device)
-        self.query_start_loc = torch.arange(0, n + 1, query_len, dtype=torch.int32, device=device)
-        self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int32, device=device)
-        self.logits_at = torch.arange(n, dtype=torch.int64, device=device)
+        self.tables = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int64, device=device)
+        b, u = max_bs, self.max_updates
+        self.layout = {"input_ids": (0, b), "positions": (b, b), "slot_mapping": (2 * b, b), "kv_lens": (3 * b, b),
+                       "rows": (4 * b, b), "upd_rows": (5 * b, u), "upd_cols": (5 * b + u, u),
+                       "upd_vals": (5 * b + 2 * u, u)}
+        size = 5 * b + 3 * u
+        self.host = torch.zeros(size, dtype=torch.int64)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()   # so the one host-to-device copy per step is truly async
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(0, max_bs + 1, dtype=torch.int64, device=device)
+        self.logits_at = torch.arange(max_bs, dtype=torch.int64, device=device)
         self.max_kv_len = max_blocks_per_seq * runner.block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, torch.Tensor] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
         self.memory_bytes = 0
+        self.row_of: dict[int, _RowState] = {}
+        self.free_rows = list(range(max_rows - 1, -1, -1))
+        self._fill_padding(0, max_bs, 0)
 
-    def static_batch(self, bs: int) -> ForwardBatch:
-        n = bs * self.query_len
-        return ForwardBatch(
-            input_ids=self.input_ids[:n], positions=self.positions[:n],
-            query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self.kv_lens[:bs],
-            block_table=self.block_table[:bs], slot_mapping=self.slot_mapping[:n], logits_at=self.logits_at[:n],
-            max_query_len=self.query_len, max_kv_len=self.max_kv_len,
+    # ---- the step, as the graph sees it -----------------------------------------------------------------
+    def _view(self, name: str, n: int | None = None) -> torch.Tensor:
+        start, size = self.layout[name]
+        return self.dev[start:start + (size if n is None else n)]
+
+    def _graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        upd_rows, upd_cols, upd_vals = self._view("upd_rows"), self._view("upd_cols"), self._view("upd_vals")
+        self.tables.index_put_((upd_rows, upd_cols), upd_vals)
+        block_table = self.tables.index_select(0, self._view("rows", bs))
+        batch = ForwardBatch(
+            input_ids=self._view("input_ids", bs), positions=self._view("positions", bs),
+            query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
+            block_table=block_table, slot_mapping=self._view("slot_mapping", bs), logits_at=self.logits_at[:bs],
+            max_query_len=1, max_kv_len=self.max_kv_len,
         )
+        logits = self.runner.forward_eager(batch).logits
+        return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
         runner = self.runner
-        runner.backend.init_graph_buffers(self.max_bs, self.block_table.shape[1], runner.device)
+        runner.backend.init_graph_buffers(self.max_bs, self.tables.shape[1], runner.device)
+        self.dev.copy_(self.host)
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         for i, bs in enumerate(reversed(self.buckets)):
-            batch = self.static_batch(bs)
-            for _ in range(2):   # warm up: autotuning and lazy init must happen outside capture
-                runner.forward_eager(batch)
+            for _ in range(2):   # warm up: autotuning and lazy allocations must happen outside capture
+                self._graph_body(bs)
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
-                out = runner.forward_eager(batch).logits
+                self.outputs[bs] = self._graph_body(bs)
             if self.pool is None:
                 self.pool = graph.pool()
             self.graphs[bs] = graph
-            self.outputs[bs] = out
             if progress:
                 progress.update(i + 1)
         torch.cuda.synchronize()
         self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
 
-    def can_run(self, batch: ForwardBatch) -> bool:
-        return (batch.max_query_len == self.query_len and batch.num_seqs <= self.max_bs
-                and batch.num_tokens == batch.num_seqs * self.query_len and not batch.capture_hidden_layers
-                and batch.logits_at.shape[0] == batch.num_tokens)
+    # ---- host side ---------------------------------------------------------------------------------------
+    def can_run(self, num_seqs: int) -> bool:
+        return num_seqs <= self.max_bs
 
-    def run(self, batch: ForwardBatch) -> ForwardOutput:
-        bs = batch.num_seqs
+    def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
+        h, L = self.host_np, self.layout
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("kv_lens", 1),
+                            ("rows", self.dummy_row)):
+            base = L[name][0]
+            h[base + start:base + stop] = value
+        for name, value in (("upd_rows", self.dummy_row), ("upd_cols", 0), ("upd_vals", 0)):
+            base, size = L[name]
+            h[base + upd_start:base + size] = value
+
+    def _row_for(self, seq: Sequence, live: set[int]) -> _RowState:
+        state = self.row_of.get(seq.seq_id)
+        if state is not None and (state.generation != seq.num_preemptions or state.written > len(seq.block_ids)):
+            state.written = 0   # blocks were replaced (preemption) or dropped (rollback): rewrite the row
+            state.generation = seq.num_preemptions
+        if state is None:
+            if not self.free_rows:
+                self._reclaim_rows(live)
+            state = _RowState(self.free_rows.pop(), 0, seq.num_preemptions)
+            self.row_of[seq.seq_id] = state
+        return state
+
+    def _reclaim_rows(self, live: set[int]) -> None:
+        for seq_id in [s for s in self.row_of if s not in live]:
+            self.free_rows.append(self.row_of.pop(seq_id).row)
+
+    def forget(self, seq_id: int) -> None:
+        state = self.row_of.pop(seq_id, None)
+        if state is not None:
+            self.free_rows.append(state.row)
+
+    @torch.inference_mode()
+    def run(self, seqs: list[Sequence]) -> GraphStepOutput:
+        bs = len(seqs)
         bucket = next(b for b in self.buckets if b >= bs)
-        n = bs * self.query_len
-        self.input_ids[:n].copy_(batch.input_ids, non_blocking=True)
-        self.positions[:n].copy_(batch.positions, non_blocking=True)
-        self.slot_mapping[:n].copy_(batch.slot_mapping, non_blocking=True)
-        self.slot_mapping[n: bucket * self.query_len].fill_(-1)
-        self.kv_lens[:bs].copy_(batch.kv_lens, non_blocking=True)
-        self.kv_lens[bs:bucket].fill_(1)
-        width = batch.block_table.shape[1]
-        self.block_table[:bs, :width].copy_(batch.block_table, non_blocking=True)
-        self.graphs[bucket].replay()
-        return ForwardOutput(logits=self.outputs[bucket][:n], hidden_states={})
+        h, L, block_size = self.host_np, self.layout, self.runner.block_size
+        live = {s.seq_id for s in seqs}
+        updates: list[tuple[int, int, int]] = []
+        ids_base, pos_base, slot_base = L["input_ids"][0], L["positions"][0], L["slot_mapping"][0]
+        kv_base, rows_base = L["kv_lens"][0], L["rows"][0]
+        for i, seq in enumerate(seqs):
+            pos = seq.num_tokens - 1
+            state = self._row_for(seq, live)
+            blocks = seq.block_ids
+            for col in range(state.written, len(blocks)):
+                updates.append((state.row, col, blocks[col]))
+            state.written = len(blocks)
+            h[ids_base + i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
+            h[pos_base + i] = pos
+            h[slot_base + i] = blocks[pos // block_size] * block_size + pos % block_size
+            h[kv_base + i] = pos + 1
+            h[rows_base + i] = state.row
+        inline = updates[: self.max_updates]
+        if len(updates) > self.max_updates:   # e.g. the first decode after a large prefill: write the rest now
+            rest = torch.tensor(updates[self.max_updates:], dtype=torch.int64).to(self.runner.device)
+            self.tables.index_put_((rest[:, 0], rest[:, 1]), rest[:, 2])
+        for name, col in (("upd_rows", 0), ("upd_cols", 1), ("upd_vals", 2)):
+            base = L[name][0]
+            h[base:base + len(inline)] = [u[col] for u in inline]
+        self._fill_padding(bs, bucket, len(inline))
+        self.dev.copy_(self.host, non_blocking=True)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            logits, tokens = self.outputs[bucket]
+        else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
+            logits, tokens = self._graph_body(bucket)
+        return GraphStepOutput(logits=logits[:bs], greedy_tokens=tokens[:bs].tolist())
 
 
 def capture_decode_graphs(runner, config: EngineConfig, max_model_len: int,
@@ -112,7 +204,7 @@ def capture_decode_graphs(runner, config: EngineConfig, max_model_len: int,
                        runner.backend.name)
         return None
     max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
-    graphs = CudaGraphRunner(runner, max_bs, -(-max_model_len // config.block_size))
+    graphs = CudaGraphRunner(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs)
     progress.begin("capturing_cuda_graphs", len(graphs.buckets), "graphs")
     start = time.monotonic()
     graphs.capture(progress)

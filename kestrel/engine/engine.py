@@ -144,6 +144,14 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates
+        graphs = self.runner.graphs
+        if graphs is not None and plan.num_tokens == len(plan.scheduled) and graphs.can_run(len(plan.scheduled)) \
+                and all(s.completes_prompt for s in plan.scheduled):
+            # Pure decode step: one graph replay; the graph also computed each row's argmax.
+            out = graphs.run([s.seq for s in plan.scheduled])
+            for s in plan.scheduled:
+                s.seq.num_computed_tokens = s.start + 1
+            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
         sampling = [s for s in plan.scheduled if s.completes_prompt]
         batch = build_forward_batch(
             token_ids=[s.seq.token_ids()[s.start:s.start + s.num_tokens] for s in plan.scheduled],
@@ -161,20 +169,25 @@ class Engine:
             updates += self._sample_and_update(sampling, output.logits)
         return updates
 
-    def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor) -> list[SampleUpdate]:
+    def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor,
+                           greedy_tokens: list[int] | None = None) -> list[SampleUpdate]:
         seqs = [r.seq for r in rows]
         params = [s.params for s in seqs]
-        self._mask_stops_before_min_tokens(seqs, logits)
-        max_logprobs = max((p.logprobs or 0) for p in params) if any(p.logprobs is not None for p in params) else 0
-        sb = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
-                                 [p.top_p for p in params], [p.min_p for p in params],
-                                 [s.generator for s in seqs], max_logprobs, logits.device)
-        tokens = sample(logits, sb)
+        wants_logprobs = any(p.logprobs is not None for p in params)
+        masked = self._mask_stops_before_min_tokens(seqs, logits)
         logprob_rows = None
-        if any(p.logprobs is not None for p in params):
-            chosen, top_vals, top_ids = top_logprobs(logits, tokens, max_logprobs)
-            logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
-        token_list = tokens.tolist()   # the one device->host sync of the step
+        if greedy_tokens is not None and not masked and not wants_logprobs and all(p.greedy for p in params):
+            token_list = greedy_tokens        # computed inside the CUDA graph: no more device work
+        else:
+            max_logprobs = max((p.logprobs or 0) for p in params)
+            sb = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
+                                     [p.top_p for p in params], [p.min_p for p in params],
+                                     [s.generator for s in seqs], max_logprobs, logits.device)
+            tokens = sample(logits, sb)
+            if wants_logprobs:
+                chosen, top_vals, top_ids = top_logprobs(logits, tokens, max_logprobs)
+                logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
+            token_list = tokens.tolist()   # the one device->host sync of the step
         now = time.monotonic()
         updates = []
         for i, seq in enumerate(seqs):
@@ -196,13 +209,17 @@ class Engine:
                 self._forget_if_done(seq.request_id)
         return updates
 
-    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> None:
+    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> bool:
+        """Forbid EOS / stop tokens for samples still under min_tokens; returns whether anything was masked."""
+        masked = False
         for row, seq in enumerate(seqs):
             p = seq.params
             if p.min_tokens and seq.num_output_tokens < p.min_tokens:
                 banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
                 if banned:
                     logits[row, banned] = float("-inf")
+                    masked = True
+        return masked
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params

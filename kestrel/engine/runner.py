@@ -34,7 +34,7 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.graphs = None   # CudaGraphRunner, when captured
+        self.graphs = None   # CudaGraphRunner for decode steps, when captured (the engine calls it directly)
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
@@ -47,8 +47,6 @@ class ModelRunner:
         """Run one step; `batch` may live on the CPU (it is moved) or already on the device."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        if self.graphs is not None and self.graphs.can_run(batch):
-            return self.graphs.run(batch)
         return self.forward_eager(batch)
 
     def forward_eager(self, batch: ForwardBatch) -> ForwardOutput:
