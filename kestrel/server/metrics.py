@@ -80,6 +80,8 @@ class ServerMetrics:
                                     labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self._success = Counter("kestrel:request_success", "Finished samples by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
+        for reason in ("stop", "length", "abort"):   # every series exists from the start, at 0
+            self._success.labels(model_name, reason)
 
     def observe_sample(self, timing: SampleTiming) -> None:
         """Record one finished sample (each of a request's n choices counts, as in vLLM V1)."""

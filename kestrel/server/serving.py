@@ -113,12 +113,14 @@ class Generation:
         self.choices = [Choice(i, SampleTiming(self.arrival)) for i in range(len(prompts) * n)]
         self.cached_tokens = [0] * len(prompts)
         self._streams: list[RequestStream] = []
+        self._submitted = False
 
     async def start(self) -> None:
         """Submit every prompt; a refusal (bad input, queue full) aborts the ones already in."""
         try:
             for i, ids in enumerate(self.prompts):
                 self._streams.append(await self.engine.submit(ids, self.params, f"{self.id}-{i}"))
+            self._submitted = True
         except BaseException:
             self.close()
             raise
@@ -188,6 +190,14 @@ class Generation:
         it runs in `finally` blocks of cancelled tasks."""
         for stream in self._streams:
             stream.close()
+        if self._submitted:   # choices cut short count as aborted in kestrel:request_success_total
+            self._submitted = False
+            now = time.monotonic()
+            for c in self.choices:
+                if c.finish_reason is None:
+                    c.finish_reason = c.timing.finish_reason = "abort"
+                    c.timing.finish_time, c.timing.num_tokens = now, c.num_tokens
+                    self.metrics.observe_sample(c.timing)
 
 
 async def run_to_completion(generation: Generation, receive) -> bool:

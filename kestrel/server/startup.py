@@ -7,6 +7,7 @@ reports the phase as `stalled` and dumps every thread's Python stack into the lo
 """
 from __future__ import annotations
 
+import faulthandler
 import logging
 import sys
 import threading
@@ -34,12 +35,14 @@ class StartupProgress(Progress):
     def begin(self, phase: str, total: float | None = None, unit: str = "") -> None:
         self.stalled = False
         super().begin(phase, total, unit)
+        self._arm_faulthandler()
 
     def update(self, done: float) -> None:
         if self.stalled:
             logger.info("phase %s is making progress again", self.phase)
         self.stalled = False
         super().update(done)
+        self._arm_faulthandler()
 
     def fail(self, message: str) -> None:
         self.error = message
@@ -70,9 +73,26 @@ class StartupProgress(Progress):
             return
         self._watchdog = threading.Thread(target=self._watch, name="kestrel-stall-watchdog", daemon=True)
         self._watchdog.start()
+        self._arm_faulthandler()
+
+    def _arm_faulthandler(self) -> None:
+        """Backstop for hangs that hold the GIL (a C extension blocked in a read, a driver call), where the Python
+        watchdog cannot run: faulthandler's C thread dumps every stack to stderr after twice the timeout (the Python
+        watchdog, which also updates /health, gets the first chance). It is
+        process-wide, so it is re-armed on every progress report and cancelled once startup is over."""
+        if self._watchdog is None:
+            return
+        if self.phase in TERMINAL_PHASES or self._stop.is_set():
+            faulthandler.cancel_dump_traceback_later()
+            return
+        try:
+            faulthandler.dump_traceback_later(self.stall_timeout_s * 2, exit=False, file=sys.__stderr__)
+        except (ValueError, AttributeError, OSError):   # no usable stderr (embedded, closed)
+            pass
 
     def stop_watchdog(self) -> None:
         self._stop.set()
+        faulthandler.cancel_dump_traceback_later()
         if self._watchdog is not None:
             self._watchdog.join(timeout=2.0)
 
