@@ -111,8 +111,11 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     variants = {}
     variants[f"{runner.backend.name}+graphs" if graphs else runner.backend.name] = {
         "bs1": single_stream(engine, prompts, args.output_len), "c128": throughput()}
+    if args.prefix_bench and name_of(model_dir) in args.prefix_bench.split(","):
+        results["shared_prefix"] = prefix_cache_bench(engine, vocab)
+    prefill_graphs = runner.prefill_graphs
     if graphs:
-        runner.graphs = None
+        runner.graphs = runner.prefill_graphs = None
         variants[f"{runner.backend.name} eager"] = {"bs1": single_stream(engine, prompts, args.output_len),
                                                    "c128": throughput()}
     from kestrel.attention.select import available_backends, select_backend
@@ -126,11 +129,42 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
         except Exception as exc:  # an optional backend failing must not lose the other numbers
             variants[f"{name} eager"] = {"error": repr(exc)[:300]}
     runner.backend = main_backend
-    runner.graphs = graphs
+    runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
     results["kestrel"] = variants
-    del engine, runner, graphs, main_backend
+    del engine, runner, graphs, prefill_graphs, main_backend
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def name_of(model_dir: Path) -> str:
+    return model_dir.name
+
+
+def prefix_cache_bench(engine: Engine, vocab: int, groups: int = 32, per_group: int = 16, prefix_len: int = 2000,
+                       suffix_len: int = 32, output_len: int = 32) -> dict:
+    """32 groups x 16 requests sharing a 2,000-token prefix, all submitted at once; cache on vs off."""
+    from kestrel.cache.radix import NoPrefixCache
+
+    rng = random.Random(7)
+    prefixes = [[rng.randrange(2, vocab) for _ in range(prefix_len)] for _ in range(groups)]
+    prompts = [p + [rng.randrange(2, vocab) for _ in range(suffix_len)] for p in prefixes for _ in range(per_group)]
+    rng.shuffle(prompts)
+    out = {}
+    cache = engine.prefix_cache
+    for label, prefix_cache in (("cache off", NoPrefixCache()), ("cache on", cache)):
+        engine.prefix_cache = engine.scheduler.prefix_cache = prefix_cache
+        prefix_cache.reset()
+        before = prefix_cache.stats.hit_tokens
+        r = run_requests(engine, prompts, output_len)
+        ttfts = r["ttft_s"]
+        out[label] = {"ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "ttft_p90_ms": 1000 * ttfts[int(len(ttfts) * 0.9)],
+                      "output_tok_s": r["output_tokens"] / r["wall_s"],
+                      "total_tok_s": (r["output_tokens"] + sum(map(len, prompts))) / r["wall_s"],
+                      "wall_s": r["wall_s"], "cached_prompt_tokens": prefix_cache.stats.hit_tokens - before}
+    engine.prefix_cache = engine.scheduler.prefix_cache = cache
+    out["workload"] = f"{groups} groups x {per_group} requests, {prefix_len}-token shared prefix + {suffix_len} " \
+                      f"own tokens, {output_len} output tokens, all submitted at once"
+    return out
 
 
 def bench_hf(model_dir: Path, vocab: int, args, results: dict) -> None:
@@ -164,6 +198,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--prefix-bench", default="qwen3-0.6b", help="models (dir names) that also run the "
+                    "shared-prefix workload")
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-"))

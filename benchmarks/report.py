@@ -38,6 +38,15 @@ def model_table(name: str, res: dict) -> list[str]:
                      f" | — | {fmt(hf['bs128_tok_s'], 0)} |")
     lines.append(f"| roofline (weights / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} | | | |")
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in res.get("startup_phases_s", {}).items())
+    sp = res.get("shared_prefix")
+    if sp:
+        lines += ["", f"Shared-prefix workload ({sp['workload']}):", "",
+                  "| prefix cache | TTFT p50 ms | TTFT p90 ms | output tok/s | total tok/s | cached prompt tokens |",
+                  "|---|---|---|---|---|---|"]
+        for label in ("cache off", "cache on"):
+            v = sp[label]
+            lines.append(f"| {label} | {fmt(v['ttft_p50_ms'])} | {fmt(v['ttft_p90_ms'])} | {fmt(v['output_tok_s'], 0)} "
+                         f"| {fmt(v['total_tok_s'], 0)} | {v['cached_prompt_tokens']:,} |")
     lines += ["", f"TTFT one 128-token prompt: {fmt(res.get('ttft_128_ms'), 2)} ms; startup to ready "
               f"{fmt(res.get('startup_s'))} s ({phases}); CUDA graph memory "
               f"{fmt(res.get('cuda_graph_memory_gib'), 2)} GiB.", ""]

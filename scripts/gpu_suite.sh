@@ -1,18 +1,47 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one device call: tests/gpu, then the benchmarks; prints a short table last.
-#   run (device): bash scripts/gpu_suite.sh [bench args...]     results land in $OUT (or ./out)
+# The whole GPU suite in one device call: tests/gpu, the engine benchmarks (with the HF transformers peer), the
+# HTTP overhead, and the tuning-report table through `kestrel launch ... --then "kestrel bench serve"`.
+# Prints a short table last. Results land in $OUT (the device tool's folder) or ./out.
+#   bash scripts/gpu_suite.sh [--models qwen3-0.6b,llama-3.1-8b,kestrel-tiny]
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then
+OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; LOG=$OUT/suite.log; WORK=${KESTREL_BENCH_WORKDIR:-/tmp/kestrel-bench}
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # fastapi/uvicorn/flashinfer wheels carried by hand
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-git rev-parse --short HEAD 2>/dev/null > "$OUT/commit.txt" || true
-KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout ${GPU_TEST_TIMEOUT:-240} python3 -m pytest -q -x tests/gpu \
-  -p no:cacheprovider 2>&1 | tee "$OUT/gpu_tests.log" | tail -25
-timeout ${GPU_BENCH_TIMEOUT:-420} python3 -m benchmarks.engine_bench --out "$OUT/bench.json" "$@" > "$OUT/bench.log" 2>&1
-echo "bench exit $?"; grep -E "ERROR|Traceback|Error" "$OUT/bench.log" | head -20
+KESTREL="python3 -m kestrel.cli"
+step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
+nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
+
+step "tests/gpu"
+KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q tests/gpu \
+  -p no:cacheprovider >> "$LOG" 2>&1; echo "tests/gpu exit $?" | tee -a "$LOG"; tail -3 "$LOG"
+
+step "engine benchmarks"
+timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" --out "$OUT/bench.json" "$@" \
+  >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
+
+MODEL=$WORK/${SERVE_MODEL:-llama-3.1-8b}
+if [ -d "$MODEL" ]; then
+  step "HTTP overhead (qwen3-0.6b shape)"
+  [ -d "$WORK/qwen3-0.6b" ] && timeout 90 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
+    --max-tokens 256 --repeats 3 > "$OUT/http_overhead.json" 2>> "$LOG"
+  cat "$OUT/http_overhead.json" 2>/dev/null | tail -20
+  for variant in graphs eager; do
+    step "launch + bench serve single-and-peak: $variant"
+    extra=""; [ $variant = eager ] && extra="--disable-cuda-graph"
+    timeout 150 $KESTREL launch --name "kestrel-$variant" --ready-timeout 100 --stall-timeout 60 \
+      --then "$KESTREL bench serve --base-url {base_url} --preset single-and-peak --label kestrel-$variant \
+              --no-progress --output $OUT/serve_$variant.json" \
+      -- $KESTREL serve "$MODEL" --port 8011 $extra >> "$LOG" 2>&1
+    echo "launch exit $?" | tee -a "$LOG"
+  done
+  $KESTREL bench compare "$OUT"/serve_graphs.json "$OUT"/serve_eager.json --labels kestrel-graphs,kestrel-eager \
+    > "$OUT/serve_comparison.md" 2>> "$LOG"
+fi
+grep -E "Traceback|Error" "$LOG" | sort | uniq -c | head -20
+step "summary"
+cat "$OUT/serve_comparison.md" 2>/dev/null | head -30
 python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from kestrel import LLM, SamplingParams
 from kestrel.engine.cuda_graphs import CudaGraphRunner, batch_size_buckets
+from kestrel.engine.prefill_graphs import PrefillGraphRunner
 
 PROMPTS = ["import os", "def f(x):\n    return x", "class A:\n    pass\n" * 3, "x = 1\n" * 7, "print(1)"] * 3
 
@@ -40,3 +41,20 @@ def test_graph_path_sampling_and_logprobs_still_work(checkpoint_factory):
     graphed = llm.generate(PROMPTS[:3], params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert all(len(o.outputs[0].logprobs) == 6 for o in graphed)
+
+
+def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
+    path = str(checkpoint_factory("qwen3"))
+    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=32)
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    eager = [LLM(model=path, **kw).generate(p, params)[0] for p in PROMPTS[:5]]
+    llm = LLM(model=path, **kw)
+    runner = llm.engine.runner
+    runner.prefill_graphs = PrefillGraphRunner(runner, max_blocks_per_seq=64, max_tokens=32)
+    assert runner.prefill_graphs.buckets == [16, 32]
+    calls = []
+    original = runner.prefill_graphs.run
+    runner.prefill_graphs.run = lambda seq, start, n: calls.append(n) or original(seq, start, n)
+    graphed = [llm.generate(p, params)[0] for p in PROMPTS[:5]]   # one at a time: the lone-prompt path
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
+    assert len(calls) >= 4

@@ -197,17 +197,39 @@ class CudaGraphRunner:
         return GraphStepOutput(logits=logits[:bs], greedy_tokens=tokens[:bs].tolist())
 
 
-def capture_decode_graphs(runner, config: EngineConfig, max_model_len: int,
-                          progress: Progress) -> CudaGraphRunner | None:
+def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: Progress) -> None:
+    """Capture decode graphs (every batch-size bucket) and single-sequence prefill graphs into one pool.
+
+    A capture failure is logged and leaves that path eager: slower, never wrong."""
     if not runner.backend.supports_graphs():
         logger.warning("attention backend %s cannot be captured in CUDA graphs; running eagerly",
                        runner.backend.name)
-        return None
+        return
+    from kestrel.engine.prefill_graphs import PrefillGraphRunner
+
     max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
-    graphs = CudaGraphRunner(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs)
-    progress.begin("capturing_cuda_graphs", len(graphs.buckets), "graphs")
+    max_blocks = -(-max_model_len // config.block_size)
+    decode = CudaGraphRunner(runner, max_bs, max_blocks, config.max_num_seqs)
+    prefill = PrefillGraphRunner(runner, max_blocks, config.max_num_batched_tokens)
+    progress.begin("capturing_cuda_graphs", len(decode.buckets) + len(prefill.buckets), "graphs")
     start = time.monotonic()
-    graphs.capture(progress)
-    logger.info("captured %d decode graphs (batch sizes %s) in %.1f s, %.2f GiB", len(graphs.buckets),
-                graphs.buckets, time.monotonic() - start, graphs.memory_bytes / 2**30)
-    return graphs
+    torch.cuda.synchronize()
+    free_before = torch.cuda.mem_get_info()[0]
+    try:
+        decode.capture(progress)
+        runner.graphs = decode
+    except Exception:  # noqa: BLE001 - any capture failure falls back to eager decode
+        logger.exception("decode graph capture failed; decoding eagerly")
+        return
+    try:
+        prefill.pool = decode.pool
+        prefill.capture()
+        runner.prefill_graphs = prefill
+        progress.update(len(decode.buckets) + len(prefill.buckets))
+    except Exception:  # noqa: BLE001
+        logger.exception("prefill graph capture failed; prefilling eagerly")
+    torch.cuda.synchronize()
+    decode.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])   # all graphs share the pool
+    logger.info("captured %d decode graphs (batch sizes %s) and %d prefill graphs (tokens %s) in %.1f s; "
+                "graphs hold %.2f GiB", len(decode.buckets), decode.buckets, len(prefill.buckets),
+                prefill.buckets, time.monotonic() - start, decode.memory_bytes / 2**30)

@@ -149,8 +149,17 @@ class Engine:
                 and all(s.completes_prompt for s in plan.scheduled):
             # Pure decode step: one graph replay; the graph also computed each row's argmax.
             out = graphs.run([s.seq for s in plan.scheduled])
-            for s in plan.scheduled:
-                s.seq.num_computed_tokens = s.start + 1
+            self._mark_computed(plan.scheduled)
+            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
+        prefill_graphs = self.runner.prefill_graphs
+        if prefill_graphs is not None and len(plan.scheduled) == 1 \
+                and prefill_graphs.can_run(plan.num_tokens, plan.scheduled[0].start):
+            # A lone prompt chunk (the TTFT path): replay the graph of the next token-count bucket.
+            s = plan.scheduled[0]
+            out = prefill_graphs.run(s.seq, s.start, s.num_tokens)
+            self._mark_computed(plan.scheduled)
+            if not s.completes_prompt:
+                return updates
             return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
         sampling = [s for s in plan.scheduled if s.completes_prompt]
         batch = build_forward_batch(
@@ -161,13 +170,16 @@ class Engine:
             want_logits=[s.completes_prompt for s in plan.scheduled],
         )
         output = self.runner.forward(batch)
-        for s in plan.scheduled:
-            s.seq.num_computed_tokens = s.start + s.num_tokens
-            if s.completes_prompt and s.seq.num_output_tokens == 0:
-                self.scheduler.cache_prompt(s.seq)
+        self._mark_computed(plan.scheduled)
         if sampling:
             updates += self._sample_and_update(sampling, output.logits)
         return updates
+
+    def _mark_computed(self, scheduled: list[ScheduledSeq]) -> None:
+        for s in scheduled:
+            s.seq.num_computed_tokens = s.start + s.num_tokens
+            if s.completes_prompt and s.seq.num_output_tokens == 0:
+                self.scheduler.cache_prompt(s.seq)
 
     def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor,
                            greedy_tokens: list[int] | None = None) -> list[SampleUpdate]:

@@ -34,7 +34,8 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.graphs = None   # CudaGraphRunner for decode steps, when captured (the engine calls it directly)
+        self.graphs = None          # CudaGraphRunner for decode steps (the engine calls it directly)
+        self.prefill_graphs = None  # PrefillGraphRunner for a lone sequence's prompt chunk
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg

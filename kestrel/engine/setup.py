@@ -108,8 +108,8 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
 
     if device.type == "cuda" and not config.disable_cuda_graph:
-        from kestrel.engine.cuda_graphs import capture_decode_graphs
-        runner.graphs = capture_decode_graphs(runner, config, max_model_len, progress)
+        from kestrel.engine.cuda_graphs import capture_graphs
+        capture_graphs(runner, config, max_model_len, progress)
 
     progress.begin("warming_up")
     warm_up(runner, config.block_size)

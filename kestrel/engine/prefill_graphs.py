@@ -1,0 +1,110 @@
+"""CUDA graphs for single-sequence prefill chunks (the TTFT path), one per padded token-count bucket.
+
+Eager prefill on a slow host is dominated by per-kernel launch cost (a few hundred launches per step), so a
+lone request's prompt is run by replaying a graph captured for the next bucket of tokens (16 .. 512). The
+padded tail is harmless: its tokens sit after the real ones, so causal attention never lets a real token see
+them, and their K/V are not written (slot -1). Packed input buffer (int64), shipped in one copy:
+
+    | input_ids [Q] | positions [Q] | slot_mapping [Q] | kv_len [1] | logits_at [1] | block_table [max_blocks] |
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from kestrel.engine.batch import ForwardBatch
+from kestrel.engine.cuda_graphs import GraphStepOutput
+from kestrel.engine.request import Sequence
+
+logger = logging.getLogger("kestrel.prefill_graphs")
+
+PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
+
+
+class PrefillGraphRunner:
+    def __init__(self, runner, max_blocks_per_seq: int, max_tokens: int, pool=None) -> None:
+        self.runner = runner
+        self.buckets = [q for q in PREFILL_BUCKETS if q <= max_tokens]
+        self.max_q = self.buckets[-1] if self.buckets else 0
+        self.max_blocks = max_blocks_per_seq
+        q = self.max_q
+        self.layout = {"input_ids": (0, q), "positions": (q, q), "slot_mapping": (2 * q, q), "kv_lens": (3 * q, 1),
+                       "logits_at": (3 * q + 1, 1), "block_table": (3 * q + 2, max_blocks_per_seq)}
+        size = 3 * q + 2 + max_blocks_per_seq
+        device = runner.device
+        self.host = torch.zeros(size, dtype=torch.int64)
+        if device.type == "cuda":
+            self.host = self.host.pin_memory()
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.pool = pool
+        self.max_kv_len = max_blocks_per_seq * runner.block_size
+        self._qsl = {q: torch.tensor([0, q], dtype=torch.int64, device=device) for q in self.buckets}
+
+    def _view(self, name: str, n: int | None = None) -> torch.Tensor:
+        start, size = self.layout[name]
+        return self.dev[start:start + (size if n is None else n)]
+
+    def _graph_body(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+        qsl = self._qsl[q]
+        batch = ForwardBatch(
+            input_ids=self._view("input_ids", q), positions=self._view("positions", q), query_start_loc=qsl,
+            kv_lens=self._view("kv_lens"), block_table=self._view("block_table").view(1, -1),
+            slot_mapping=self._view("slot_mapping", q), logits_at=self._view("logits_at"),
+            max_query_len=q, max_kv_len=self.max_kv_len,
+        )
+        logits = self.runner.forward_eager(batch).logits
+        return logits, logits.argmax(dim=-1)
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        self._fill(list(range(self.max_q)), 0, [0], self.max_q)
+        self.dev.copy_(self.host)
+        for q in reversed(self.buckets):
+            for _ in range(2):
+                self._graph_body(q)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                self.outputs[q] = self._graph_body(q)
+            self.pool = self.pool or graph.pool()
+            self.graphs[q] = graph
+        torch.cuda.synchronize()
+
+    def can_run(self, num_tokens: int, start: int) -> bool:
+        if not 1 < num_tokens <= self.max_q:
+            return False
+        padded = next(b for b in self.buckets if b >= num_tokens)
+        return start + padded <= self.max_kv_len   # padding must stay inside the block table's width
+
+    def _fill(self, tokens: list[int], start: int, blocks: list[int], q: int) -> None:
+        h, L, bs = self.host_np, self.layout, self.runner.block_size
+        n = len(tokens)
+        base = L["input_ids"][0]
+        h[base:base + n] = tokens
+        h[base + n:base + q] = 0
+        base = L["positions"][0]
+        h[base:base + n] = range(start, start + n)
+        h[base + n:base + q] = 0
+        base = L["slot_mapping"][0]
+        h[base:base + n] = [blocks[p // bs] * bs + p % bs for p in range(start, start + n)]
+        h[base + n:base + q] = -1
+        h[L["kv_lens"][0]] = start + q          # padded length: real query i still sits at start + i
+        h[L["logits_at"][0]] = n - 1
+        base = L["block_table"][0]
+        h[base:base + len(blocks)] = blocks
+
+    @torch.inference_mode()
+    def run(self, seq: Sequence, start: int, num_tokens: int) -> GraphStepOutput:
+        q = next(b for b in self.buckets if b >= num_tokens)
+        self._fill(seq.token_ids()[start:start + num_tokens], start, seq.block_ids, q)
+        self.dev.copy_(self.host, non_blocking=True)
+        if q in self.graphs:
+            self.graphs[q].replay()
+            logits, tokens = self.outputs[q]
+        else:   # not captured (CPU tests of the padding logic): run the same body eagerly
+            logits, tokens = self._graph_body(q)
+        return GraphStepOutput(logits=logits, greedy_tokens=tokens.tolist())
