@@ -121,6 +121,16 @@ def test_streamed_completion_concatenates_to_llm_generate(client, llm, model_nam
     assert chunks[-1].choices == [] and usage.completion_tokens == len(expected.token_ids)
 
 
+def test_continuous_usage_stats_count_tokens_on_every_chunk(client, llm, model_name):
+    expected = llm.generate([PROMPTS[1]], greedy())[0].outputs[0]
+    chunks = list(client.completions.create(
+        model=model_name, prompt=PROMPTS[1], max_tokens=MAX_TOKENS, temperature=0, stream=True,
+        stream_options={"include_usage": True, "continuous_usage_stats": True}))
+    running = [c.usage.completion_tokens for c in chunks if c.choices]
+    assert running == sorted(running) and running[0] >= 1
+    assert running[-1] == chunks[-1].usage.completion_tokens == len(expected.token_ids)
+
+
 def test_multiple_prompts_and_token_id_prompts_in_one_completion(client, llm, model_name):
     ids = llm.tokenizer.encode(PROMPTS[0])
     expected = llm.generate([PROMPTS[1], ids], greedy())

@@ -143,7 +143,9 @@ async def _respond(request: Request, gen: Generation, stream: bool, stream_optio
     token_text = state.token_text()
     if stream:
         include_usage = bool(stream_options and stream_options.include_usage)
-        return StreamingResponse(fmt.stream(gen, state.model_name, token_text, want_logprobs, include_usage),
+        continuous = include_usage and stream_options.continuous_usage_stats
+        return StreamingResponse(fmt.stream(gen, state.model_name, token_text, want_logprobs, include_usage,
+                                            continuous),
                                  media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
     try:
         finished = await run_to_completion(gen, request.receive)

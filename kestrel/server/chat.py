@@ -57,14 +57,14 @@ def response(gen: Generation, model: str, token_text: TokenText, want_logprobs: 
 
 
 async def stream(gen: Generation, model: str, token_text: TokenText, want_logprobs: bool,
-                 include_usage: bool) -> AsyncIterator[str]:
+                 include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     head = {"id": gen.id, "object": "chat.completion.chunk", "created": gen.created, "model": model}
 
     def chunk(index: int, delta: dict, finish_reason: str | None = None, logprobs=None) -> str:
         body = dict(head, choices=[{"index": index, "delta": delta, "logprobs": logprobs,
                                     "finish_reason": finish_reason}])
         if include_usage:
-            body["usage"] = None
+            body["usage"] = gen.usage().model_dump() if continuous_usage else None
         return sse(json.dumps(body))
 
     try:

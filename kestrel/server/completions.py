@@ -48,7 +48,7 @@ def response(gen: Generation, model: str, token_text: TokenText, want_logprobs: 
 
 
 async def stream(gen: Generation, model: str, token_text: TokenText, want_logprobs: bool,
-                 include_usage: bool) -> AsyncIterator[str]:
+                 include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     offsets = [0] * len(gen.choices)
     head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": model}
     try:
@@ -63,7 +63,7 @@ async def stream(gen: Generation, model: str, token_text: TokenText, want_logpro
             chunk = dict(head, choices=[{"index": choice.index, "text": delta.text, "logprobs": logprobs,
                                          "finish_reason": delta.finish_reason}])
             if include_usage:
-                chunk["usage"] = None
+                chunk["usage"] = gen.usage().model_dump() if continuous_usage else None
             yield sse(json.dumps(chunk))
         if include_usage:
             yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))

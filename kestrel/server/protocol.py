@@ -18,6 +18,7 @@ class _Request(BaseModel):
 
 class StreamOptions(_Request):
     include_usage: bool = False
+    continuous_usage_stats: bool = False   # vLLM extension: running usage on every chunk (with include_usage)
 
 
 class _SamplingFields(_Request):
