@@ -68,3 +68,20 @@ def test_finish_returns_blocks():
     run_step(s)
     s.finish(a, "stop")
     assert pool.num_free == 10 and a.finish_reason == "stop" and not s.has_work()
+
+
+def test_rollback_shortens_a_sequence_and_frees_trailing_blocks():
+    pool = BlockPool(10, 4)
+    s = Scheduler(pool, NoPrefixCache(), max_num_seqs=8, max_num_batched_tokens=100)
+    a = seq(0, 6)
+    s.add(a)
+    run_step(s)                                 # 6 prompt tokens computed, 1 output token
+    for _ in range(4):                          # decode to 11 tokens: 3 blocks
+        run_step(s)
+    assert a.num_tokens == 11 and len(a.block_ids) == 3
+    s.rollback(a, 4)                            # 7 tokens left: 2 blocks; the 7th is fed again next step
+    assert a.num_tokens == 7 and a.num_computed_tokens == 6 and len(a.block_ids) == 2
+    assert pool.num_free == 8
+    plan = run_step(s)                          # decoding resumes from the shortened sequence
+    assert plan.scheduled[0].start == 6 and a.num_computed_tokens == 7 and a.num_tokens == 8
+    pool.check_invariants()

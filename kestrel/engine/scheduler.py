@@ -137,6 +137,19 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(seq)
 
+    def rollback(self, seq: Sequence, num_tokens: int) -> None:
+        """KV rollback: drop the last `num_tokens` output tokens (speculative tokens that lost). Their cache slots
+        become free to overwrite, and blocks that no longer hold any kept token go back to the pool."""
+        assert 0 <= num_tokens <= seq.num_output_tokens, "rollback past the prompt"
+        if num_tokens:
+            del seq.output_token_ids[-num_tokens:]
+        # The last kept token is fed again next step (its KV is rewritten in place) so its logits exist.
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        keep = -(-seq.num_tokens // self.block_size)
+        if len(seq.block_ids) > keep:
+            self.pool.release(seq.block_ids[keep:])
+            del seq.block_ids[keep:]
+
     def cache_prompt(self, seq: Sequence) -> None:
         """Publish a freshly prefilled prompt's full blocks, so siblings and later requests reuse them at once."""
         self.prefix_cache.insert(seq.prompt_token_ids[: seq.num_computed_tokens], seq.block_ids)
