@@ -4,6 +4,7 @@ Everything here goes through HF transformers / tokenizers only, so these tests p
 Kestrel loader's agreement with HF is tested separately and can reuse ``token_nlls`` / ``heldout_windows``."""
 from __future__ import annotations
 
+import ast
 import importlib.util
 import json
 from pathlib import Path
@@ -15,8 +16,10 @@ REPO = Path(__file__).resolve().parent.parent
 MODEL_DIR = REPO / "models" / "kestrel-tiny"
 REQUIRED_FILES = ["config.json", "generation_config.json", "model.safetensors", "tokenizer.json",
                   "tokenizer_config.json", "MODEL_CARD.md"]
-HELDOUT_FILES = 4          # first files of Lib/test in the eval script's fixed hash order
-HELDOUT_MAX_PPL = 30.0     # measured ~? on Python 3.11 and 3.12 (see MODEL_CARD.md); far below vocab size 4096
+HELDOUT_FILES = 8          # first files of Lib/test in the eval script's fixed hash order, 1024 tokens each
+# Measured 21.4-23.5 on the Lib/test of Pythons 3.10-3.13 (an untrained model scores ~4096, a unigram model
+# several hundred); the bound leaves room for a retrain's noise.
+HELDOUT_MAX_PPL = 35.0
 
 
 def load_eval_module():
@@ -129,8 +132,20 @@ def test_heldout_perplexity_on_lib_test_is_low(hf_model, hf_tokenizer, evaluatio
 def test_greedy_completion_of_a_function_header_looks_like_python(hf_model, hf_tokenizer):
     prompt = "def fibonacci(n):"
     input_ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
-    output = hf_model.generate(input_ids, max_new_tokens=40, do_sample=False)
+    output = hf_model.generate(input_ids, max_new_tokens=48, do_sample=False)
     completion = hf_tokenizer.decode(output[0, input_ids.shape[1]:], skip_special_tokens=True)
-    assert completion.startswith("\n"), completion  # a body follows the header ...
-    assert "    " in completion, completion         # ... indented ...
-    assert any(word in completion for word in ("return", "if ", "(")), completion  # ... with real code in it
+    assert completion.startswith("\n    "), completion  # an indented body follows the header
+    assert any(word in completion for word in ("return", "if ", "(", '"""')), completion
+    # Generation stops mid-line; the longest run of whole lines that parses must hold a few body lines.
+    lines = (prompt + completion).split("\n")[:-1]
+    while lines and not parses("\n".join(lines)):
+        lines.pop()
+    assert len(lines) >= 4, prompt + completion
+
+
+def parses(source: str) -> bool:
+    try:
+        ast.parse(source)
+    except SyntaxError:
+        return False
+    return True

@@ -51,6 +51,7 @@ class _RowState:
     row: int
     written: int                 # blocks of the sequence already in its device row
     generation: int              # the sequence's preemption count when the row was written
+    last_block: int = -1         # block id at column written - 1, to notice a rollback that regrew
 
 
 class CudaGraphRunner:
@@ -140,7 +141,9 @@ class CudaGraphRunner:
 
     def _row_for(self, seq: Sequence, live: set[int]) -> _RowState:
         state = self.row_of.get(seq.seq_id)
-        if state is not None and (state.generation != seq.num_preemptions or state.written > len(seq.block_ids)):
+        blocks = seq.block_ids
+        if state is not None and (state.generation != seq.num_preemptions or state.written > len(blocks)
+                                  or (state.written and blocks[state.written - 1] != state.last_block)):
             state.written = 0   # blocks were replaced (preemption) or dropped (rollback): rewrite the row
             state.generation = seq.num_preemptions
         if state is None:
@@ -175,6 +178,7 @@ class CudaGraphRunner:
             for col in range(state.written, len(blocks)):
                 updates.append((state.row, col, blocks[col]))
             state.written = len(blocks)
+            state.last_block = blocks[-1]
             h[ids_base + i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
             h[pos_base + i] = pos
             h[slot_base + i] = blocks[pos // block_size] * block_size + pos % block_size
