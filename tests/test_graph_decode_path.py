@@ -52,6 +52,7 @@ def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
     runner = llm.engine.runner
     runner.prefill_graphs = PrefillGraphRunner(runner, max_blocks_per_seq=64, max_tokens=32)
     assert runner.prefill_graphs.buckets == [16, 32]
+    runner.prefill_graphs.fill_capture_inputs()   # what capture() feeds the graphs must be valid input
     calls = []
     original = runner.prefill_graphs.run
     runner.prefill_graphs.run = lambda seq, start, n: calls.append(n) or original(seq, start, n)

@@ -232,6 +232,7 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
         progress.update(len(decode.buckets) + len(prefill.buckets))
     except Exception:  # noqa: BLE001
         logger.exception("prefill graph capture failed; prefilling eagerly")
+        prefill.buckets = []
     torch.cuda.synchronize()
     decode.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])   # all graphs share the pool
     logger.info("captured %d decode graphs (batch sizes %s) and %d prefill graphs (tokens %s) in %.1f s; "

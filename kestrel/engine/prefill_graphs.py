@@ -61,7 +61,7 @@ class PrefillGraphRunner:
 
     @torch.inference_mode()
     def capture(self) -> None:
-        self._fill(list(range(self.max_q)), 0, [0], self.max_q)
+        self.fill_capture_inputs()
         self.dev.copy_(self.host)
         for q in reversed(self.buckets):
             for _ in range(2):
@@ -73,6 +73,10 @@ class PrefillGraphRunner:
             self.pool = self.pool or graph.pool()
             self.graphs[q] = graph
         torch.cuda.synchronize()
+
+    def fill_capture_inputs(self) -> None:
+        """Dummy inputs for capture: a max_q-token prompt whose blocks are all block 0 (never read back)."""
+        self._fill([0] * self.max_q, 0, [0] * -(-self.max_q // self.runner.block_size), self.max_q)
 
     def can_run(self, num_tokens: int, start: int) -> bool:
         if not 1 < num_tokens <= self.max_q:
