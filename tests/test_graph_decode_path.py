@@ -52,10 +52,18 @@ def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
     runner = llm.engine.runner
     runner.prefill_graphs = PrefillGraphRunner(runner, max_blocks_per_seq=64, max_tokens=32)
     assert runner.prefill_graphs.buckets == [16, 32]
-    runner.prefill_graphs.fill_capture_inputs()   # what capture() feeds the graphs must be valid input
+    runner.prefill_graphs.capture(dry_run=True)   # capture's own inputs must be valid for every bucket
     calls = []
     original = runner.prefill_graphs.run
     runner.prefill_graphs.run = lambda seq, start, n: calls.append(n) or original(seq, start, n)
     graphed = [llm.generate(p, params)[0] for p in PROMPTS[:5]]   # one at a time: the lone-prompt path
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert len(calls) >= 4
+
+
+def test_prefill_buckets_fit_the_block_table(checkpoint_factory):
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", block_size=4, max_model_len=40)
+    runner = llm.engine.runner
+    graphs = PrefillGraphRunner(runner, max_blocks_per_seq=10, max_tokens=8192)
+    assert graphs.buckets == [16, 32]             # 40-token context: 64+ token buckets cannot exist
+    graphs.capture(dry_run=True)

@@ -225,10 +225,13 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
     except Exception:  # noqa: BLE001 - any capture failure falls back to eager decode
         logger.exception("decode graph capture failed; decoding eagerly")
         return
+    if not config.enable_prefill_cuda_graph:
+        prefill.buckets = []
     try:
         prefill.pool = decode.pool
-        prefill.capture()
-        runner.prefill_graphs = prefill
+        if prefill.buckets:
+            prefill.capture()
+        runner.prefill_graphs = prefill if prefill.buckets else None
         progress.update(len(decode.buckets) + len(prefill.buckets))
     except Exception:  # noqa: BLE001
         logger.exception("prefill graph capture failed; prefilling eagerly")

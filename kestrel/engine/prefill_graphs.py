@@ -25,7 +25,9 @@ PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 class PrefillGraphRunner:
     def __init__(self, runner, max_blocks_per_seq: int, max_tokens: int, pool=None) -> None:
         self.runner = runner
-        self.buckets = [q for q in PREFILL_BUCKETS if q <= max_tokens]
+        # A padded chunk must fit in one block-table row (max_model_len): bigger buckets are useless anyway.
+        capacity = max_blocks_per_seq * runner.block_size
+        self.buckets = [q for q in PREFILL_BUCKETS if q <= min(max_tokens, capacity)]
         self.max_q = self.buckets[-1] if self.buckets else 0
         self.max_blocks = max_blocks_per_seq
         q = self.max_q
@@ -60,23 +62,28 @@ class PrefillGraphRunner:
         return logits, logits.argmax(dim=-1)
 
     @torch.inference_mode()
-    def capture(self) -> None:
-        self.fill_capture_inputs()
-        self.dev.copy_(self.host)
+    def capture(self, dry_run: bool = False) -> None:
+        """Record one graph per bucket. dry_run runs each bucket's body on its capture inputs without recording
+        (CPU tests check that capture feeds every graph valid inputs)."""
         for q in reversed(self.buckets):
-            for _ in range(2):
+            self.fill_capture_inputs(q)     # each bucket's own inputs: logits_at must index its q rows
+            self.dev.copy_(self.host)
+            for _ in range(1 if dry_run else 2):
                 self._graph_body(q)
+            if dry_run:
+                continue
             torch.cuda.synchronize()
             graph = torch.cuda.CUDAGraph()
             with torch.cuda.graph(graph, pool=self.pool):
                 self.outputs[q] = self._graph_body(q)
             self.pool = self.pool or graph.pool()
             self.graphs[q] = graph
-        torch.cuda.synchronize()
+        if not dry_run:
+            torch.cuda.synchronize()
 
-    def fill_capture_inputs(self) -> None:
-        """Dummy inputs for capture: a max_q-token prompt whose blocks are all block 0 (never read back)."""
-        self._fill([0] * self.max_q, 0, [0] * -(-self.max_q // self.runner.block_size), self.max_q)
+    def fill_capture_inputs(self, q: int) -> None:
+        """Dummy inputs for capturing bucket q: a q-token prompt whose blocks are all block 0."""
+        self._fill([0] * q, 0, [0] * -(-q // self.runner.block_size), q)
 
     def can_run(self, num_tokens: int, start: int) -> bool:
         if not 1 < num_tokens <= self.max_q:
