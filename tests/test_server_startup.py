@@ -81,6 +81,10 @@ def test_a_hung_engine_start_shows_stalled_on_health_with_its_stack_then_recover
     try:
         with caplog.at_level(logging.ERROR, logger="kestrel.startup"):
             seen = poll_health(url, lambda status, body: body["phase"] == "stalled")
+            # The watchdog flips /health to stalled, then writes the stacks: give the log a moment.
+            deadline = time.monotonic() + 10
+            while "build_runner" not in caplog.text and time.monotonic() < deadline:
+                time.sleep(0.05)
         assert all(status == 503 for status, _ in seen)
         assert "build_runner" in caplog.text and "kestrel-engine" in caplog.text   # where the engine hangs
         r = httpx.post(f"{url}/v1/completions", json={"prompt": "x"})
