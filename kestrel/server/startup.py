@@ -103,9 +103,10 @@ class StartupProgress(Progress):
                 return
             quiet_s = time.monotonic() - self.last_progress_time
             if quiet_s >= self.stall_timeout_s and not self.stalled:
-                self.stalled = True
+                # Stacks go to the log before /health says "stalled", so whoever sees the flag finds them.
                 logger.error("phase %s made no progress for %.0f s (--stall-timeout %g); thread stacks:\n%s",
                              self.phase, quiet_s, self.stall_timeout_s, format_all_stacks())
+                self.stalled = True
 
 
 def format_all_stacks() -> str:
