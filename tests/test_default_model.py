@@ -149,3 +149,44 @@ def parses(source: str) -> bool:
     except SyntaxError:
         return False
     return True
+
+
+# ---- the shipped model through Kestrel's own loader and engine ----------------------------------------------
+
+@pytest.fixture(scope="module")
+def kestrel_llm():
+    from kestrel import LLM
+
+    return LLM(device="cpu")   # no model given: the embedded default
+
+
+def test_kestrel_loads_the_default_model_when_none_is_given(kestrel_llm):
+    assert kestrel_llm.engine.config.model_path.resolve() == MODEL_DIR.resolve()
+    assert kestrel_llm.engine.model_config.num_kv_heads < kestrel_llm.engine.model_config.num_heads
+
+
+def test_heldout_perplexity_through_kestrel_agrees_with_hf(kestrel_llm, hf_model, hf_tokenizer, evaluation):
+    files = evaluation.heldout_files(HELDOUT_FILES)
+    if len(files) < HELDOUT_FILES:
+        pytest.skip(f"{evaluation.stdlib_root() / 'test'} is not installed with this interpreter")
+    windows = evaluation.heldout_windows(hf_tokenizer, files, max_tokens=1024)
+    ours = [evaluation.token_nlls(kestrel_llm.engine.prompt_logits(w), torch.tensor(w)) for w in windows]
+    theirs = evaluation.hf_window_nlls(hf_model, windows, "cpu")
+    ppl_ours, ppl_hf = evaluation.perplexity(ours), evaluation.perplexity(theirs)
+    assert abs(ppl_ours - ppl_hf) / ppl_hf < 1e-4, (ppl_ours, ppl_hf)
+    assert ppl_ours < HELDOUT_MAX_PPL
+
+
+def test_greedy_decoding_through_kestrel_equals_hf(kestrel_llm, hf_model, hf_tokenizer):
+    from kestrel import SamplingParams
+
+    prompts = ["def fibonacci(n):", "import os\nimport sys\n\n\ndef main(", "class Stack:\n    def push(self, x):\n"]
+    results = kestrel_llm.generate(prompts, SamplingParams(max_tokens=48, temperature=0))
+    for prompt, result in zip(prompts, results):
+        ids = hf_tokenizer(prompt, return_tensors="pt").input_ids
+        assert result.prompt_token_ids == ids[0].tolist()
+        expected = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=48, do_sample=False)
+        want = expected[0, ids.shape[1]:].tolist()
+        got = result.outputs[0].token_ids
+        assert got == want[: len(got)] and (len(got) == 48 or got[-1] in kestrel_llm.engine.eos_token_ids)
+        assert result.outputs[0].text == hf_tokenizer.decode(got, skip_special_tokens=True)

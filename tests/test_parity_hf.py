@@ -84,3 +84,31 @@ def test_last_token_logits_close_to_hf(checkpoint_factory, case):
         assert rel < 1e-4, f"prompt {i}: relative error {rel:.2e}"
     for t in tables:
         engine.pool.release(t)
+
+
+def test_hidden_states_entering_chosen_layers_match_hf(checkpoint_factory):
+    """EAGLE-3 reads the residual stream entering chosen layers: HF's hidden_states[i] for layer i."""
+    path = checkpoint_factory("llama3")
+    llm = LLM(model=str(path), device="cpu")
+    engine = llm.engine
+    ids = llm.tokenizer.encode(PROMPTS[2])
+    blocks = engine.pool.allocate(-(-len(ids) // engine.pool.block_size))
+    batch = build_forward_batch([ids], [0], [blocks], engine.pool.block_size, capture_hidden_layers=(0, 1))
+    out = engine.runner.forward(batch)
+    engine.pool.release(blocks)
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    for layer in (0, 1):
+        torch.testing.assert_close(out.hidden_states[layer], ref[layer][0], rtol=1e-4, atol=1e-5)
+
+
+def test_prompt_logits_score_every_position_like_hf(checkpoint_factory):
+    path = checkpoint_factory("qwen2", tie=True, num_kv_heads=4)
+    llm = LLM(model=str(path), device="cpu")
+    ids = llm.tokenizer.encode(PROMPTS[0])
+    hf = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids])).logits[0]
+    torch.testing.assert_close(llm.engine.prompt_logits(ids), ref, rtol=1e-4, atol=1e-4)
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks

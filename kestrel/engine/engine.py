@@ -255,6 +255,20 @@ class Engine:
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.requests[request_id]
 
+    @torch.inference_mode()
+    def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
+        """Logits at every position of one prompt ([T, vocab], float32): scoring and perplexity, like vLLM's
+        prompt_logprobs. Runs as its own forward pass on blocks of its own, between steps."""
+        self.validate_prompt(token_ids, SamplingParams(max_tokens=1))
+        bs = self.config.block_size
+        blocks = self.pool.allocate(-(-len(token_ids) // bs))
+        try:
+            batch = build_forward_batch([list(token_ids)], [0], [blocks], bs)
+            batch.logits_at = torch.arange(len(token_ids))
+            return self.runner.forward(batch).logits
+        finally:
+            self.pool.release(blocks)
+
     # ---- introspection -----------------------------------------------------------------------------------
     def sequences(self, request_id: str) -> list[Sequence]:
         return list(self.requests.get(request_id, []))
