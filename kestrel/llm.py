@@ -82,8 +82,8 @@ class LLM:
             for i in range(params.n):
                 texts[(rid, i)] = TextAssembler(self.tokenizer, params)
             order.append(rid)
-        for rid in order:
-            engine.add_request(rid, results[rid].prompt_token_ids, _params_of(params_list, order, rid))
+        for rid, params in zip(order, params_list):
+            engine.add_request(rid, results[rid].prompt_token_ids, params)
         index_of = {rid: i for i, rid in enumerate(order)}
         while engine.has_unfinished():
             for up in engine.step():
@@ -109,10 +109,6 @@ class LLM:
                     res.finished = True
                     res.metrics.finished_time = time.monotonic()
         return [results[rid] for rid in order]
-
-
-def _params_of(params_list: list[SamplingParams], order: list[str], rid: str) -> SamplingParams:
-    return params_list[order.index(rid)]
 
 
 def _as_prompt_list(prompts: Prompt | list[Prompt]) -> list[Prompt]:
