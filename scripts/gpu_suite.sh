@@ -3,6 +3,8 @@
 # HTTP overhead, and the tuning-report table through `kestrel launch ... --then "kestrel bench serve"`.
 # Prints a short table last. Results land in $OUT (the device tool's folder) or ./out.
 #   bash scripts/gpu_suite.sh [--models qwen3-0.6b,llama-3.1-8b,kestrel-tiny]
+#   SERVE_VARIANTS="name:serve-flag:bench-flag ..." picks the server runs (flags in --flag=value form, no spaces),
+#   e.g. SERVE_VARIANTS="graphs:: torch:--attention-backend=torch:--output-len=64"
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; LOG=$OUT/suite.log; WORK=${KESTREL_BENCH_WORKDIR:-/tmp/kestrel-bench}
@@ -29,16 +31,20 @@ if [ -d "$MODEL" ]; then
   [ -d "$WORK/qwen3-0.6b" ] && timeout 90 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
     --max-tokens 256 --repeats 3 > "$OUT/http_overhead.json" 2>> "$LOG"
   cat "$OUT/http_overhead.json" 2>/dev/null | tail -20
-  for variant in graphs eager; do
-    step "launch + bench serve single-and-peak: $variant"
-    extra=""; [ $variant = eager ] && extra="--disable-cuda-graph"
-    timeout 150 $KESTREL launch --name "kestrel-$variant" --ready-timeout 100 --stall-timeout 60 \
-      --then "$KESTREL bench serve --base-url {base_url} --preset single-and-peak --label kestrel-$variant \
-              --no-progress --output $OUT/serve_$variant.json" \
-      -- $KESTREL serve "$MODEL" --port 8011 $extra >> "$LOG" 2>&1
+  # name:extra serve flags:extra bench flags — the slow eager backends run 64-token outputs to save device time.
+  SERVE_VARIANTS=${SERVE_VARIANTS:-"graphs:: eager:--disable-cuda-graph:"}
+  files=(); labels=()
+  for v in $SERVE_VARIANTS; do
+    IFS=: read -r name serve_flags bench_flags <<< "$v"
+    step "launch + bench serve single-and-peak: $name"
+    timeout 200 $KESTREL launch --name "kestrel-$name" --ready-timeout 120 --stall-timeout 60 \
+      --then "$KESTREL bench serve --base-url {base_url} --preset single-and-peak --label kestrel-$name \
+              --no-progress $bench_flags --output $OUT/serve_$name.json" \
+      -- $KESTREL serve "$MODEL" --port 8011 $serve_flags >> "$LOG" 2>&1
     echo "launch exit $?" | tee -a "$LOG"
+    files+=("$OUT/serve_$name.json"); labels+=("kestrel-$name")
   done
-  $KESTREL bench compare "$OUT"/serve_graphs.json "$OUT"/serve_eager.json --labels kestrel-graphs,kestrel-eager \
+  $KESTREL bench compare "${files[@]}" --labels "$(IFS=,; echo "${labels[*]}")" \
     > "$OUT/serve_comparison.md" 2>> "$LOG"
 fi
 grep -E "Traceback|Error" "$LOG" | sort | uniq -c | head -20
