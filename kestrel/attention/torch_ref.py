@@ -52,7 +52,9 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     scores = torch.einsum("sqhd,skhd->shqk", q_pad.float(), keys.float()) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
     probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows are padding
-    out = torch.einsum("shqk,skhd->sqhd", probs, values.float())
+    # Slots past a sequence's length hold whatever their block last held: zero them, since 0 * NaN is NaN.
+    valid = (k_pos[None, :] < kv_lens.long()[:, None])[:, :, None, None]
+    out = torch.einsum("shqk,skhd->sqhd", probs, values.float().masked_fill(~valid, 0.0))
     return out[token_seq, token_idx].to(q.dtype)
 
 

@@ -39,11 +39,9 @@ class ModelRunner:
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
-        # Zeroed on the GPU (fast, and graph padding rows then read finite junk); left untouched on the CPU,
-        # where zeroing a 1 GiB default budget would cost seconds of startup for pages never read unwritten.
-        alloc = torch.zeros if self.device.type == "cuda" else torch.empty
-        self.kv_cache = alloc(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads, cfg.head_dim,
-                              dtype=self.dtype, device=self.device)
+        # Zeroed: padded rows and masked positions read slots nobody wrote, and they must hold finite numbers.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
     @torch.inference_mode()
