@@ -128,6 +128,39 @@ def test_kernel_with_no_tokens_returns_an_empty_q():
     assert q.shape == (0, 4, 64) and torch.equal(k_cache, before)
 
 
+@interpreted_only
+def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
+    from kestrel.attention.triton_backend import TritonAttentionBackend
+    from kestrel.engine.batch import build_forward_batch
+    from kestrel.layers import fused_ops
+    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    gen = torch.Generator().manual_seed(11)
+    block_size, num_heads, num_kv_heads, head_dim = 4, 8, 2, 64
+    q_w, k_w = (1 + 0.5 * torch.randn(head_dim, generator=gen) for _ in range(2))
+    cache = cos_sin_cache(head_dim)
+    tables = [[5, 2, 7], [0, 3], [6, 1, 4]]
+    caches = {path: (torch.zeros(8, block_size, num_kv_heads, head_dim),
+                     torch.zeros(8, block_size, num_kv_heads, head_dim)) for path in ("unfused", "fused")}
+    backend = TritonAttentionBackend()
+    assert backend.supports_prewritten_kv()
+    # step 1: prefill 9, 6 and 10 tokens; step 2: one decode token each
+    for batch in (build_forward_batch([[1] * 9, [1] * 6, [1] * 10], [0, 0, 0], tables, block_size),
+                  build_forward_batch([[1], [1], [1]], [9, 6, 10], tables, block_size)):
+        qkv = torch.randn(batch.num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+        q, k, v = qkv.clone().split([num_heads * head_dim, num_kv_heads * head_dim, num_kv_heads * head_dim], -1)
+        q = fused_ops.rms_norm(q.view(-1, num_heads, head_dim), q_w, 1e-6)
+        k = fused_ops.rms_norm(k.view(-1, num_kv_heads, head_dim), k_w, 1e-6)
+        q, k = fused_ops.apply_rotary(q, k, batch.positions, cache)
+        backend.prepare(batch)
+        want = backend.forward(q, k, v.view(-1, num_kv_heads, head_dim), *caches["unfused"], batch, 0.125)
+        q = qk_norm_rope_store(qkv, q_w, k_w, 1e-6, batch.positions, cache, *caches["fused"], batch.slot_mapping,
+                               num_heads, num_kv_heads, head_dim)
+        got = backend.forward(q, None, None, *caches["fused"], batch, 0.125)
+        torch.testing.assert_close(got, want, **TOLERANCE[torch.float32])
+        torch.testing.assert_close(caches["fused"][0], caches["unfused"][0], **TOLERANCE[torch.float32])
+        assert torch.equal(caches["fused"][1], caches["unfused"][1])
+
+
 # ------------------------------------------------------------------------------------------------ in the model
 
 @pytest.mark.skipif(INTERPRETED, reason="runs in the normal process")
