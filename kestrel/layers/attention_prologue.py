@@ -1,17 +1,20 @@
 """The attention prologue in one kernel: per-head q/k RMSNorm (Qwen3), rotary, and the paged K/V write.
 
 Between the fused QKV GEMM and attention the layer otherwise launches, on the CUDA fast path (fused_ops on,
-Triton backend), counted per layer:
+Triton backend), per layer (counted by running Attention.forward with every launch logged):
 
-    Qwen3 (qk-norm)                                 Llama / Mistral / Qwen2 (no qk-norm)
-      q RMSNorm: reshape copy of the strided q + rms_norm    2      -
-      k RMSNorm: reshape copy of the strided k + rms_norm    2      -
-      apply_rotary (q and k, in place)                       1      1
-      store_kv (k and v into the paged cache)                1      1
-      -------------------------------------------------------------------
-      kernels before -> with qk_norm_rope_store              6 -> 1 2 -> 1   (saves 5 resp. 1 per layer)
+                                                 Qwen3 (qk-norm)          Llama / Mistral / Qwen2
+                                                 T = 1     T >= 2         any T
+      q RMSNorm: [reshape copy +] rms_norm         1         2              -
+      k RMSNorm: [reshape copy +] rms_norm         1         2              -
+      apply_rotary (q and k, in place)             1         1              1
+      store_kv (k and v into the paged cache)      1         1              1
+      ------------------------------------------------------------------------------
+      before -> with qk_norm_rope_store          4 -> 1    6 -> 1         2 -> 1
 
-so a 28-layer Qwen3-0.6B decode step drops 140 launches (graph nodes), a 32-layer Llama-8B step 32.
+(The copy: fused_ops.rms_norm reshapes [T, H, D] to [T * H, D], a view of qkv's head slice only when T = 1.)
+So a batch-1 Qwen3-0.6B decode step (28 layers) loses 84 launches, a batched decode or prefill step 140; a
+Llama-3-8B step (32 layers) loses 32.
 
 Input, the QKV projection's output, read in place through strides (no copies):
 
