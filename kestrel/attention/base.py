@@ -30,14 +30,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,        # [T, num_heads, head_dim]
+        q: torch.Tensor,         # [T, num_heads, head_dim]
         k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: already in the cache
         v: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: already in the cache
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        k_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+    ) -> torch.Tensor:           # [T, num_heads, head_dim]
         ...
 
     # CUDA-graph hooks: a backend that keeps metadata on the device copies it into static buffers here.

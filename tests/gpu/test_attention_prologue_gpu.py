@@ -30,9 +30,10 @@ def _rope_cache(head_dim: int, max_pos: int = 8192, base: float = 1_000_000.0) -
 def _cuda_inputs(tokens, shape, block_size, dtype, seed):
     num_heads, num_kv_heads, head_dim, qk_norm = SHAPES[shape]
     qkv, weights, positions, k_cache, v_cache, slots = prologue_inputs(
-        tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm, seed, pad_cols=64)
+        tokens, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm, seed)
     positions = torch.randint(0, 8192, (tokens,), generator=torch.Generator().manual_seed(seed))
     to_cuda = lambda t: None if t is None else t.cuda()   # noqa: E731
+    # a row slice of a wider buffer, so the kernel must use qkv's row stride
     qkv = torch.empty(tokens, qkv.shape[1] + 64, dtype=dtype, device="cuda")[:, :qkv.shape[1]].copy_(qkv)
     return (qkv, [to_cuda(w) for w in weights], positions.cuda(), k_cache.cuda(), v_cache.cuda(), slots.cuda(),
             (num_heads, num_kv_heads, head_dim))
@@ -86,14 +87,16 @@ def test_kernel_captured_in_a_cuda_graph_replays_new_tokens_positions_and_slots(
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_engine_with_fused_prologue_gives_the_unfused_greedy_tokens(checkpoint_factory, monkeypatch, arch):
-    """fp32 so the only difference is the sum order in the norm: greedy tokens must not move. Graphs on."""
+    """fp32 so the only difference is the sum order in the norm: greedy tokens must not move. Decode and
+    prefill graphs on, so the prologue is also captured and replayed."""
     from kestrel import LLM, SamplingParams
     from kestrel.layers.attention_prologue import qk_norm_rope_store
     from kestrel.models.llama import Attention
     path = str(checkpoint_factory(arch))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16)
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
+              enable_prefill_cuda_graph=True)
     monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)
     plain = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
     monkeypatch.setenv("KESTREL_FUSED_ATTN_PROLOGUE", "1")
