@@ -9,6 +9,8 @@ Paged KV cache, one pair of tensors per layer:
 forward() first writes the step's new K/V into the cache at slot_mapping (slot -1: skip), then attends each
 query token to every cached token of its sequence at or before its own position:
     query i of sequence s sits at position kv_lens[s] - query_len[s] + i.
+A model whose fused attention prologue (layers/attention_prologue.py) has already written the step's K/V passes
+k = v = None instead; only backends whose supports_prewritten_kv() is True are handed that.
 """
 from __future__ import annotations
 
@@ -28,14 +30,14 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward(
         self,
-        q: torch.Tensor,        # [T, num_heads, head_dim]
-        k: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        v: torch.Tensor,        # [T, num_kv_heads, head_dim]
-        k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+        q: torch.Tensor,         # [T, num_heads, head_dim]
+        k: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: already in the cache
+        v: torch.Tensor | None,  # [T, num_kv_heads, head_dim]; None: already in the cache
+        k_cache: torch.Tensor,   # [num_blocks, block_size, num_kv_heads, head_dim]
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
-    ) -> torch.Tensor:          # [T, num_heads, head_dim]
+    ) -> torch.Tensor:           # [T, num_heads, head_dim]
         ...
 
     # CUDA-graph hooks: a backend that keeps metadata on the device copies it into static buffers here.
@@ -43,4 +45,8 @@ class AttentionBackend(ABC):
         """Allocate static metadata buffers shared by every captured graph."""
 
     def supports_graphs(self) -> bool:
+        return False
+
+    def supports_prewritten_kv(self) -> bool:
+        """True if forward() accepts k = v = None, the K/V having been written at slot_mapping by the model."""
         return False

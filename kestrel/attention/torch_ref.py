@@ -61,7 +61,11 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 class TorchAttentionBackend(AttentionBackend):
     name = "torch"
 
+    def supports_prewritten_kv(self) -> bool:
+        return True
+
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if k is not None:   # None: the model's attention prologue already wrote this step's K/V
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,
                                batch.max_query_len, batch.max_kv_len, scale)

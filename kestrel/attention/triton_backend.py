@@ -26,12 +26,16 @@ class TritonAttentionBackend(AttentionBackend):
     def supports_graphs(self) -> bool:
         return True
 
+    def supports_prewritten_kv(self) -> bool:
+        return True
+
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self._max_batch_size = max_batch_size
         self._partials = None   # (re)allocated at the next decode forward, sized for max_batch_size
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if k is not None:   # None: the fused attention prologue already wrote this step's K/V
+            triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,

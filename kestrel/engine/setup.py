@@ -99,7 +99,7 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
     if device.type == "cuda":
         from kestrel.engine.fast_path import enable_fused_ops
-        enable_fused_ops(model)
+        enable_fused_ops(model, backend)
 
     progress.begin("allocating_kv_cache")
     num_blocks = size_kv_cache(config, cfg, runner, max_model_len)

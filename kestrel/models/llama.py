@@ -30,10 +30,21 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = rotary   # shared by all layers, not a child module (one cos/sin cache)
+        # set by fast_path (opt-in): qk_norm_rope_store, q/k norm + rotary + K/V write in one kernel
+        self.prologue = None
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv_proj(hidden)
+        if self.prologue is not None:
+            q_norm_w = self.q_norm.weight if self.q_norm is not None else None
+            k_norm_w = self.k_norm.weight if self.k_norm is not None else None
+            eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
+                              k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
+                              self.head_dim)
+            out = backend.forward(q, None, None, k_cache, v_cache, batch, self.scale)   # K/V already written
+            return self.o_proj(out.reshape(-1, self.q_size))
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
