@@ -7,6 +7,9 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# Tiny test models gain nothing from intra-op threads, and on a 2-core machine a server subprocess plus the test
+# process each spinning 2 OpenMP threads oversubscribe the cores (seen: 5x slower runs). Subprocesses inherit this.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 
 def _has_cuda() -> bool:
