@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 from kestrel.config import EngineConfig
 from kestrel.progress import PHASES
@@ -130,12 +131,16 @@ def test_kestrel_serve_walks_the_phases_and_exits_cleanly_on_sigterm(checkpoint_
                           json={"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))   # generating now
+            engine_processes = psutil.Process(proc.pid).children(recursive=True)
+            assert engine_processes, "the engine runs in a child process"
             start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
         assert proc.wait(timeout=10) == 0
         assert time.monotonic() - start < 10
+        _, orphans = psutil.wait_procs(engine_processes, timeout=max(0.0, 10 - (time.monotonic() - start)))
+        assert not orphans, "the engine process outlived `kestrel serve`"
     finally:
         if proc.poll() is None:
             proc.kill()
