@@ -75,7 +75,8 @@ def start_in_thread(app) -> tuple[KestrelServer, threading.Thread, str]:
 def test_a_hung_engine_start_shows_stalled_on_health_with_its_stack_then_recovers(checkpoint_factory, caplog):
     app = build_app(EngineConfig(model=str(checkpoint_factory("llama")), device="cpu"),
                     ServerConfig(stall_timeout_s=0.5))
-    # A genuine hang: hold the progress lock, so the real engine thread blocks at its first phase report.
+    # A genuine hang: hold the progress lock, so the server cannot record the engine's first phase report and the
+    # real engine process, which waits for each report to be acknowledged, blocks inside build_runner.
     lock = app.state.kestrel.progress._lock
     lock.acquire()
     server, thread, url = start_in_thread(app)

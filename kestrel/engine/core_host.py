@@ -42,12 +42,17 @@ OnEvent = Callable[[tuple], None]
 
 def _with_tokenizer(config: EngineConfig, event: tuple) -> tuple:
     """("ready", limits, model_eos_ids, stats) -> ("ready", limits, Tokenizer, stats): the server encodes and
-    decodes with its own copy, loaded from the model directory like the engine's."""
+    decodes with its own copy, loaded from the model directory like the engine's. ("start_failed", why) if that
+    fails: the server cannot serve without it."""
     from kestrel.models.tokenizer import Tokenizer
 
     _, limits, eos_ids, stats = event
     path = Path(config.tokenizer) if config.tokenizer else config.model_path
-    return ("ready", limits, Tokenizer(path, eos_ids), stats)
+    try:
+        return ("ready", limits, Tokenizer(path, eos_ids), stats)
+    except Exception as exc:   # noqa: BLE001
+        logger.exception("loading the tokenizer failed")
+        return ("start_failed", f"{type(exc).__name__}: {exc}")
 
 
 # ---- engine process ----------------------------------------------------------------------------------------------
@@ -134,12 +139,9 @@ class EngineProcess:
                 self.send(("ack",))
                 continue
             if kind == "ready":
-                try:
-                    event = _with_tokenizer(self.config, event)
-                except Exception as exc:   # noqa: BLE001 - the server cannot serve without it
-                    logger.exception("loading the tokenizer failed")
+                event = _with_tokenizer(self.config, event)
+                if event[0] == "start_failed":
                     self.send(("stop",))
-                    event = ("start_failed", f"{type(exc).__name__}: {exc}")
             self.on_event(event)
         self.process.join(5.0)
         self.on_event(("exited", self.process.exitcode))
@@ -255,6 +257,8 @@ class EngineThread:
     def _emit(self, event: tuple) -> None:
         if event[0] == "ready":
             event = _with_tokenizer(self.config, event)
+            if event[0] == "start_failed":
+                self.send(("stop",))
         self.on_event(event)
 
 

@@ -1,7 +1,7 @@
 """The step loop: schedule -> build ForwardBatch -> run -> sample -> update sequences.
 
-The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the AsyncEngine's
-thread) is the only thread touching the model.
+The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the engine core of
+`kestrel serve`, engine/core.py, in its own process) is the only thread touching the model.
 """
 from __future__ import annotations
 
