@@ -1,14 +1,12 @@
-"""AsyncEngine: the asyncio front door of the engine core, which runs in its own process (engine/core_host.py).
+"""AsyncEngine: the asyncio front door of the engine core, which runs in its own process (processes and pipes
+are drawn in engine/core_host.py; the message protocol is listed in engine/core.py).
 
-    event loop (HTTP handlers)                            engine process (owns the device), engine/core.py
-    ─────────────────────────                             ───────────────────────────────────────────────
-    submit() ─ EngineLimits.check_prompt (400s here)
-             ─ ("add", ...) ───────► commands Pipe ────►  engine.add_request
-    abort()  ─ ("abort", id) ──────►                 ──►  engine.abort_request
-    stop string ─ ("finish", id, i)►                 ──►  engine.finish_sample
-                                                          loop: engine.step() while work exists,
-                                                                block on the Pipe when idle
-    RequestStream.queue ◄── _on_event ◄── reader thread ◄── events Pipe: ("step", updates, stats) per step
+    event loop (HTTP handlers)                            engine core
+    ─────────────────────────                             ───────────
+    submit() ─ EngineLimits.check_prompt (400s here) ─ ("add", ...) ──────► engine.add_request
+    abort()  ─ ("abort", id) ────────────────────────────────────────────► engine.abort_request
+    stop string ─ ("finish", id, i) ─────────────────────────────────────► engine.finish_sample
+    RequestStream.queue ◄── _on_event ◄── ("step", update tuples, stats) ◄── one per engine.step()
       └─ TextAssembler per sample: detokenize + stop strings, on the event loop
 
 Detokenization runs on the event loop, inside the consumer of each stream: the engine does nothing per token but
@@ -174,7 +172,7 @@ class AsyncEngine:
         """Start the engine process (or thread); call from the event loop that will consume the outputs."""
         self._loop = asyncio.get_running_loop()
         host = EngineThread if self.in_thread else EngineProcess
-        self._host = host(self.config, self.progress, self._post)
+        self._host = host(self.config, self.progress, self._loop, self._on_event)
         self._host.start()
 
     @property
@@ -215,6 +213,7 @@ class AsyncEngine:
         """Abort everything in flight, stop the engine, wait for it up to `timeout` seconds (then terminate it)."""
         self.begin_shutdown()
         if self._host is not None:
+            self._host.detach()
             await asyncio.to_thread(self._host.stop, timeout)
 
     def inject_step_failure(self, message: str) -> None:
@@ -286,13 +285,6 @@ class AsyncEngine:
         self._mark_started(stream)
         if self._streams.get(stream.request_id) is stream:
             del self._streams[stream.request_id]
-
-    def _post(self, event: tuple) -> None:
-        """Engine side (reader or engine thread) -> event loop."""
-        try:
-            self._loop.call_soon_threadsafe(self._on_event, event)
-        except RuntimeError:   # the loop is closed: nobody is left to read
-            pass
 
     def _on_event(self, event: tuple) -> None:
         """Runs on the event loop: one event of engine/core.py's protocol."""

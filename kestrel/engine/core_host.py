@@ -4,10 +4,10 @@
     ──────────────────────────────────                         ─────────────────────────────────────────
     event loop ── send(command) ── commands Pipe ────────────► main thread "kestrel-engine": run_engine_core
                                                                   Engine(config, ForwardedProgress), step loop
-    reader thread ◄── events Pipe (one message per step) ◄──── send(event)
+    startup reader thread ◄── events Pipe ◄─────────────────── send(event)
       ├─ ("progress", ...) → StartupProgress, then ("ack",) ─► (startup waits for each ack)
-      ├─ ("ready", ...) → loads the Tokenizer for the server
-      └─ everything else → loop.call_soon_threadsafe(on_event)
+      └─ ("ready", ...) → loads the Tokenizer, hands the Pipe to the event loop, ends
+    event loop: add_reader(events Pipe) → on_event(("step", ...)), one message per engine step
     stall watchdog ── "stacks" ─── stacks Pipe (duplex) ─────► thread "kestrel-stacks": format_all_stacks()
     EOF on the events Pipe without a stop ──► ("exited", exit code): in-flight requests fail, /health: failed
 
@@ -15,12 +15,15 @@ Why a process: the step loop and the HTTP event loop (detokenization, SSE writes
 the engine never waits for the server after a device sync. The child is started with "spawn", so CUDA is never
 initialised in the server process; it exits on the stop command, or on EOF when the server process is gone.
 
-Startup progress is acknowledged: the engine waits until the server has recorded each report, so /health never
+Once ready, the event loop reads the events Pipe itself (add_reader): no thread hop, and no second thread of
+this process asking for the GIL once per step. Startup progress is read on a thread because it must be recorded
+even while the event loop is busy, and acknowledged: the engine waits until the server has recorded each report, so /health never
 lags behind the engine, and a server that cannot record (a hang) holds the engine where it is, to be seen in the
 stacks the watchdog asks for.
 """
 from __future__ import annotations
 
+import asyncio
 import faulthandler
 import logging
 import multiprocessing
@@ -37,7 +40,15 @@ from kestrel.progress import Progress, format_all_stacks
 
 logger = logging.getLogger("kestrel.engine")
 
-OnEvent = Callable[[tuple], None]
+OnEvent = Callable[[tuple], None]   # runs on the event loop
+
+
+def _post(loop: asyncio.AbstractEventLoop, on_event: OnEvent, event: tuple) -> None:
+    """Any thread -> the event loop."""
+    try:
+        loop.call_soon_threadsafe(on_event, event)
+    except RuntimeError:   # the loop is closed: nobody is left to read
+        pass
 
 
 def _with_tokenizer(config: EngineConfig, event: tuple) -> tuple:
@@ -58,12 +69,15 @@ def _with_tokenizer(config: EngineConfig, event: tuple) -> tuple:
 # ---- engine process ----------------------------------------------------------------------------------------------
 
 class EngineProcess:
-    """Server side of the engine process. `on_event` is called on the reader thread."""
+    """Server side of the engine process; `on_event` receives every event but progress, on `loop`."""
 
-    def __init__(self, config: EngineConfig, progress: Progress, on_event: OnEvent) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress, loop: asyncio.AbstractEventLoop,
+                 on_event: OnEvent) -> None:
         self.config = config
         self.progress = progress
+        self.loop = loop
         self.on_event = on_event
+        self._on_loop = False   # the event loop reads the events Pipe (after ready)
         self.process: multiprocessing.process.BaseProcess | None = None
         self._send_lock = threading.Lock()    # the event loop and the reader (acks) both send commands
         self._stacks_lock = threading.Lock()
@@ -71,18 +85,17 @@ class EngineProcess:
 
     def start(self) -> None:
         ctx = multiprocessing.get_context("spawn")
-        commands_out, commands_in = ctx.Pipe(duplex=False)   # (receiving end, sending end)
-        events_out, events_in = ctx.Pipe(duplex=False)
+        child_commands, self._commands = ctx.Pipe(duplex=False)   # (receiving end, sending end)
+        self._events, child_events = ctx.Pipe(duplex=False)
         self._stacks, child_stacks = ctx.Pipe()
         stall_timeout_s = getattr(self.progress, "stall_timeout_s", None)
         self.process = ctx.Process(target=engine_process_main, name="kestrel-engine", daemon=True,
-                                   args=(self.config, commands_out, events_in, child_stacks,
+                                   args=(self.config, child_commands, child_events, child_stacks,
                                          logging.getLogger("kestrel").getEffectiveLevel(), stall_timeout_s))
         self.process.start()
-        for end in (commands_out, events_in, child_stacks):   # the child's ends: EOF once the child is gone
+        for end in (child_commands, child_events, child_stacks):   # closed here: EOF once the child is gone
             end.close()
-        self._commands, self._events = commands_in, events_out
-        self._reader = threading.Thread(target=self._read, name="kestrel-engine-reader", daemon=True)
+        self._reader = threading.Thread(target=self._read_startup, name="kestrel-engine-reader", daemon=True)
         self._reader.start()
 
     @property
@@ -103,6 +116,8 @@ class EngineProcess:
         header = f"=== engine process {self.process.name} (pid {self.process.pid}) ===\n"
         with self._stacks_lock:
             try:
+                while self._stacks.poll():   # a late answer to an earlier request that timed out
+                    self._stacks.recv()
                 self._stacks.send("stacks")
                 if self._stacks.poll(timeout_s):
                     return header + self._stacks.recv()
@@ -110,6 +125,12 @@ class EngineProcess:
                 return header + "(the engine process is gone)"
         return header + f"(no answer within {timeout_s:g} s: the engine holds the GIL; faulthandler writes its " \
                         "stacks to stderr after twice the stall timeout)"
+
+    def detach(self) -> None:
+        """On the event loop, before stop(): stop reading events (shutting down: nobody waits for them)."""
+        if self._on_loop:
+            self._on_loop = False
+            self.loop.remove_reader(self._events.fileno())
 
     def stop(self, timeout_s: float) -> None:
         """Blocking: ask the engine to stop, wait, then terminate (and kill) a process that does not exit."""
@@ -127,7 +148,7 @@ class EngineProcess:
         if self._reader is not None:
             self._reader.join(2.0)
 
-    def _read(self) -> None:
+    def _read_startup(self) -> None:
         while True:
             try:
                 event = self._events.recv()
@@ -140,11 +161,29 @@ class EngineProcess:
                 continue
             if kind == "ready":
                 event = _with_tokenizer(self.config, event)
-                if event[0] == "start_failed":
-                    self.send(("stop",))
-            self.on_event(event)
+                if event[0] == "ready":   # from now on the event loop reads the Pipe
+                    _post(self.loop, self._read_on_loop_from_now, event)
+                    return
+                self.send(("stop",))
+            _post(self.loop, self.on_event, event)
+        self._report_exit()
+
+    def _read_on_loop_from_now(self, ready: tuple) -> None:
+        self._on_loop = True
+        self.loop.add_reader(self._events.fileno(), self._read_on_loop)
+        self.on_event(ready)
+
+    def _read_on_loop(self) -> None:
+        try:
+            while self._on_loop and self._events.poll():
+                self.on_event(self._events.recv())
+        except (EOFError, OSError):
+            self.detach()
+            threading.Thread(target=self._report_exit, name="kestrel-engine-exit", daemon=True).start()
+
+    def _report_exit(self) -> None:
         self.process.join(5.0)
-        self.on_event(("exited", self.process.exitcode))
+        _post(self.loop, self.on_event, ("exited", self.process.exitcode))
 
 
 def engine_process_main(config: EngineConfig, commands, events, stacks, log_level: int,
@@ -228,9 +267,11 @@ class ForwardedProgress(Progress):
 class EngineThread:
     """The core on a thread of the server process (the pre-process design: one GIL for both)."""
 
-    def __init__(self, config: EngineConfig, progress: Progress, on_event: OnEvent) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress, loop: asyncio.AbstractEventLoop,
+                 on_event: OnEvent) -> None:
         self.config = config
         self.progress = progress
+        self.loop = loop
         self.on_event = on_event
         self.pid = None
         self._commands = _QueueCommands()
@@ -247,6 +288,9 @@ class EngineThread:
     def stacks(self, timeout_s: float = 2.0) -> str:
         return ""   # the engine thread is among this process's own stacks
 
+    def detach(self) -> None:
+        pass
+
     def stop(self, timeout_s: float) -> None:
         self.send(("stop",))
         if self._thread is not None:
@@ -259,7 +303,7 @@ class EngineThread:
             event = _with_tokenizer(self.config, event)
             if event[0] == "start_failed":
                 self.send(("stop",))
-        self.on_event(event)
+        _post(self.loop, self.on_event, event)
 
 
 class _QueueCommands:
