@@ -7,7 +7,8 @@ is owned (the engine process by default, a thread with --engine-in-thread) and s
     ("finish", request_id, sample_index)           ("step", [update tuples], stats)      see engine/messages.py
     ("fail_next_forward", message)   tests         ("refused", request_id, "invalid" | "error", message)
     ("stop",)                                      ("failed", [request_ids], message)   a step raised
-    ("ack",)   a startup progress report was recorded (engine process only, see core_host.py)
+    ("ack",)                                       ("progress", "begin" | "update", args)  startup, answered by
+                                                   an ack (engine process only, see core_host.py)
 
 The core blocks on its command channel when idle (no spinning) and drains it without blocking between steps.
 Requests are validated by the server before they are sent (EngineLimits), so "refused" is a backstop.

@@ -16,10 +16,10 @@ the engine never waits for the server after a device sync. The child is started 
 initialised in the server process; it exits on the stop command, or on EOF when the server process is gone.
 
 Once ready, the event loop reads the events Pipe itself (add_reader): no thread hop, and no second thread of
-this process asking for the GIL once per step. Startup progress is read on a thread because it must be recorded
-even while the event loop is busy, and acknowledged: the engine waits until the server has recorded each report, so /health never
-lags behind the engine, and a server that cannot record (a hang) holds the engine where it is, to be seen in the
-stacks the watchdog asks for.
+this process asking for the GIL once per step. Startup progress is read on a thread, so that it is recorded even
+while the event loop is busy, and acknowledged: the engine waits until the server has recorded each report, so
+/health never lags behind the engine, and a server that cannot record (a hang) holds the engine where it is, to
+be seen in the stacks the watchdog asks for.
 """
 from __future__ import annotations
 
