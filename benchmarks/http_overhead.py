@@ -53,7 +53,7 @@ def over_http(args) -> dict:
         port = s.getsockname()[1]
     url = f"http://127.0.0.1:{port}"
     cmd = [sys.executable, "-m", "kestrel.cli", "serve", "--port", str(port), "--device", args.device,
-           "--log-level", "warning"] + (["--model", args.model] if args.model else [])
+           "--log-level", "warning"] + (["--model", args.model] if args.model else []) + args.serve_arg
     proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         _wait_ready(url, proc)
@@ -118,11 +118,14 @@ def main() -> None:
     p.add_argument("--prompt", default="The quick brown fox")
     p.add_argument("--max-tokens", type=int, default=256)
     p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--serve-arg", action="append", default=[],
+                   help="extra flag for `kestrel serve`, repeatable (e.g. --serve-arg=--engine-in-thread)")
     args = p.parse_args()
     local = in_process(args)
     http = over_http(args)
     overhead = http["ms_per_token"] - local["ms_per_token"]
     print(json.dumps({"model": args.model or "kestrel-tiny", "device": args.device, "max_tokens": args.max_tokens,
+                      "serve_args": args.serve_arg,
                       "in_process": local, "http": http, "overhead_ms_per_token": overhead,
                       "overhead_pct": 100 * overhead / local["ms_per_token"] if local["ms_per_token"] else None},
                      indent=2))

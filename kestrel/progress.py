@@ -7,8 +7,10 @@ current phase on /health and to run a stall watchdog.
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 
 logger = logging.getLogger("kestrel.startup")
 
@@ -82,3 +84,13 @@ class Progress:
         if self.total and rate > 0:
             text += f", ETA {max(self.total - self.done, 0) / rate:.0f} s"
         return text
+
+
+def format_all_stacks() -> str:
+    """Every live thread's Python stack, like faulthandler.dump_traceback but into a string for the log."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n{stack}")
+    return "\n".join(parts)

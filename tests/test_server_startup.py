@@ -11,6 +11,7 @@ import threading
 import time
 
 import httpx
+import psutil
 
 from kestrel.config import EngineConfig
 from kestrel.progress import PHASES
@@ -74,7 +75,8 @@ def start_in_thread(app) -> tuple[KestrelServer, threading.Thread, str]:
 def test_a_hung_engine_start_shows_stalled_on_health_with_its_stack_then_recovers(checkpoint_factory, caplog):
     app = build_app(EngineConfig(model=str(checkpoint_factory("llama")), device="cpu"),
                     ServerConfig(stall_timeout_s=0.5))
-    # A genuine hang: hold the progress lock, so the real engine thread blocks at its first phase report.
+    # A genuine hang: hold the progress lock, so the server cannot record the engine's first phase report and the
+    # real engine process, which waits for each report to be acknowledged, blocks inside build_runner.
     lock = app.state.kestrel.progress._lock
     lock.acquire()
     server, thread, url = start_in_thread(app)
@@ -130,12 +132,16 @@ def test_kestrel_serve_walks_the_phases_and_exits_cleanly_on_sigterm(checkpoint_
                           json={"prompt": "x", "max_tokens": 250, "ignore_eos": True, "stream": True}) as r:
             lines = r.iter_lines()
             assert next(line for line in lines if line.startswith("data: "))   # generating now
+            engine_processes = psutil.Process(proc.pid).children(recursive=True)
+            assert engine_processes, "the engine runs in a child process"
             start = time.monotonic()
             proc.send_signal(signal.SIGTERM)
             rest = [line for line in lines if line]
         assert rest[-1] == "data: [DONE]" and '"finish_reason": "abort"' in rest[-2]
         assert proc.wait(timeout=10) == 0
         assert time.monotonic() - start < 10
+        _, orphans = psutil.wait_procs(engine_processes, timeout=max(0.0, 10 - (time.monotonic() - start)))
+        assert not orphans, "the engine process outlived `kestrel serve`"
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -1,14 +1,13 @@
 """The step loop: schedule -> build ForwardBatch -> run -> sample -> update sequences.
 
-The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the AsyncEngine's
-thread) is the only thread touching the model.
+The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the engine core of
+`kestrel serve`, engine/core.py, in its own process) is the only thread touching the model.
 """
 from __future__ import annotations
 
 import itertools
 import logging
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -16,7 +15,8 @@ from kestrel.cache.block_pool import BlockPool
 from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
 from kestrel.engine.batch import build_forward_batch
-from kestrel.engine.request import Sequence, SeqStatus, TokenLogprob
+from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
+from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.setup import build_runner
@@ -26,32 +26,6 @@ from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
 
 logger = logging.getLogger("kestrel.engine")
-
-
-@dataclass(slots=True)
-class SampleUpdate:
-    request_id: str
-    index: int
-    new_token_ids: list[int]
-    new_logprobs: list[TokenLogprob] | None
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    num_cached_tokens: int
-
-
-@dataclass(slots=True)
-class EngineStats:
-    num_running: int
-    num_waiting: int
-    kv_cache_usage: float
-    num_used_blocks: int
-    num_total_blocks: int
-    num_preemptions: int
-    prompt_tokens_total: int
-    generation_tokens_total: int
-    prefix_cache_queries: int
-    prefix_cache_hits: int
 
 
 class Engine:
@@ -76,6 +50,8 @@ class Engine:
         self._pending: list[SampleUpdate] = []   # finishes decided outside step() (abort, stop strings)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
+                                   self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
 
     # ---- requests in -------------------------------------------------------------------------------------
@@ -97,25 +73,7 @@ class Engine:
 
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise KestrelError for a request that could never run; the server maps it to HTTP 400."""
-        n = len(prompt_token_ids)
-        if n == 0:
-            raise KestrelError("the prompt is empty: at least one token is needed")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise KestrelError(f"prompt token id {bad[0]!r} is out of range: expected integers in [0, {vocab})")
-        if n >= self.max_model_len:
-            raise KestrelError(f"the prompt has {n} tokens but this model's maximum context length is "
-                               f"{self.max_model_len} tokens (prompt and completion together)")
-        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
-            raise KestrelError(f"this model's maximum context length is {self.max_model_len} tokens, but "
-                               f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
-                               "for the completion); reduce max_tokens or the prompt")
-        capacity = self.pool.num_blocks * self.pool.block_size
-        total = n + (params.max_tokens or self.max_model_len - n)
-        if min(total, self.max_model_len) > capacity:
-            raise KestrelError(f"a sequence of {total} tokens cannot fit in the KV cache ({capacity} tokens); "
-                               "raise --kv-cache-memory / --gpu-memory-utilization or lower max_tokens")
+        self.limits.check_prompt(prompt_token_ids, params)
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.get(request_id, []):

@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from kestrel.engine.messages import TokenLogprob  # noqa: F401 - re-exported
 from kestrel.sampling_params import SamplingParams
 
 
@@ -14,13 +15,6 @@ class SeqStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
-
-
-@dataclass
-class TokenLogprob:
-    token_id: int
-    logprob: float
-    top: list[tuple[int, float]]     # (token_id, logprob), best first
 
 
 @dataclass(eq=False)

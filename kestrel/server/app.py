@@ -41,7 +41,8 @@ class ServerConfig:
     api_key: str | None = None            # Bearer token required on /v1/*; None: open
     max_queue: int | None = None          # requests waiting for their first token beyond which new ones get 503
     stall_timeout_s: float | None = 300.0  # startup phase without progress this long -> "stalled" + stack dump
-    shutdown_timeout_s: float = 5.0       # how long to wait for the engine thread on shutdown
+    shutdown_timeout_s: float = 5.0       # how long to wait for the engine to stop before terminating it
+    engine_in_thread: bool = False        # run the engine on a thread of the server (one GIL) instead of a process
 
 
 class ServerState:
@@ -51,7 +52,8 @@ class ServerState:
         self.config = config
         self.model_name = engine_config.model_name
         self.progress = StartupProgress(stall_timeout_s=config.stall_timeout_s)
-        self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue)
+        self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue,
+                                  in_thread=config.engine_in_thread)
         self.metrics = ServerMetrics(self.engine.stats, self.model_name)
         self._token_text: TokenText | None = None
 
@@ -67,8 +69,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
 
     @asynccontextmanager
     async def lifespan(app: FastAPI):
-        state.progress.start_watchdog()
-        state.engine.start()   # constructs the Engine on its own thread; the port is open meanwhile
+        state.progress.start_watchdog(engine_stacks=state.engine.engine_stacks)
+        state.engine.start()   # spawns the engine process, which builds the Engine; the port is open meanwhile
         try:
             yield
         finally:

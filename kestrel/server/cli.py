@@ -23,6 +23,9 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stall-timeout", type=float, default=300.0,
                    help="seconds a startup phase may go without progress before it is reported stalled and every "
                         "thread's stack is logged (0: off)")
+    p.add_argument("--engine-in-thread", action="store_true",
+                   help="run the engine on a thread of the server process instead of its own process "
+                        "(one GIL for both; the process is faster under load)")
     p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
 
 
@@ -37,7 +40,8 @@ def run(args: argparse.Namespace) -> int:
     logging.getLogger("kestrel").setLevel(args.log_level.upper())
     engine_config = config_from_args(args)
     server_config = ServerConfig(api_key=args.api_key or os.environ.get("KESTREL_API_KEY") or None,
-                                 max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None)
+                                 max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None,
+                                 engine_in_thread=args.engine_in_thread)
     server = KestrelServer(build_app(engine_config, server_config), args.host, args.port, args.log_level)
     # uvicorn restores the previous SIGTERM handler and re-raises the signal once it has shut down; a no-op
     # handler there makes a graceful SIGTERM exit with status 0 instead of dying by the signal.

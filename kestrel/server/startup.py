@@ -3,7 +3,8 @@
 The engine reports phases through `Progress` (kestrel/progress.py), which already logs "loading weights
 7.20/16.10 GB, 2.30 GB/s, ETA 4 s". This subclass adds what a server needs on top: a JSON status for /health, a
 terminal `failed` phase, and a watchdog thread that, when a phase makes no progress for `stall_timeout` seconds,
-reports the phase as `stalled` and dumps every thread's Python stack into the log so the hang can be located.
+reports the phase as `stalled` and dumps every thread's Python stack into the log so the hang can be located
+(the server's threads, and the engine process's, which it asks for through `engine_stacks`).
 """
 from __future__ import annotations
 
@@ -12,9 +13,9 @@ import logging
 import sys
 import threading
 import time
-import traceback
+from typing import Callable
 
-from kestrel.progress import Progress
+from kestrel.progress import Progress, format_all_stacks  # noqa: F401 - re-exported
 
 logger = logging.getLogger("kestrel.startup")
 
@@ -29,6 +30,7 @@ class StartupProgress(Progress):
         self.error: str | None = None
         self._stop = threading.Event()
         self._watchdog: threading.Thread | None = None
+        self._engine_stacks: Callable[[], str] | None = None
 
     # -- progress reports (any thread) --------------------------------------------------------------------------
 
@@ -68,9 +70,11 @@ class StartupProgress(Progress):
 
     # -- watchdog -----------------------------------------------------------------------------------------------
 
-    def start_watchdog(self) -> None:
+    def start_watchdog(self, engine_stacks: Callable[[], str] | None = None) -> None:
+        """`engine_stacks`: the engine process's stacks, logged with this process's when a phase stalls."""
         if not self.stall_timeout_s or self._watchdog is not None:
             return
+        self._engine_stacks = engine_stacks
         self._watchdog = threading.Thread(target=self._watch, name="kestrel-stall-watchdog", daemon=True)
         self._watchdog.start()
         self._arm_faulthandler()
@@ -104,16 +108,10 @@ class StartupProgress(Progress):
             quiet_s = time.monotonic() - self.last_progress_time
             if quiet_s >= self.stall_timeout_s and not self.stalled:
                 # Stacks go to the log before /health says "stalled", so whoever sees the flag finds them.
+                stacks = format_all_stacks()
+                if self._engine_stacks is not None:
+                    stacks += "\n" + self._engine_stacks()
                 logger.error("phase %s made no progress for %.0f s (--stall-timeout %g); thread stacks:\n%s",
-                             self.phase, quiet_s, self.stall_timeout_s, format_all_stacks())
+                             self.phase, quiet_s, self.stall_timeout_s, stacks)
                 self.stalled = True
 
-
-def format_all_stacks() -> str:
-    """Every live thread's Python stack, like faulthandler.dump_traceback but into a string for the log."""
-    names = {t.ident: t.name for t in threading.enumerate()}
-    parts = []
-    for ident, frame in sys._current_frames().items():
-        stack = "".join(traceback.format_stack(frame))
-        parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n{stack}")
-    return "\n".join(parts)

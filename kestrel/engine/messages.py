@@ -1,0 +1,102 @@
+"""What the engine hands out, as plain data without torch: per-step SampleUpdates, EngineStats, the limits a prompt
+is checked against, and the compact tuples these travel as between the engine core and the server.
+
+The server process never imports torch: it validates prompts with EngineLimits (the numbers the engine reports
+once ready) and rebuilds these objects from tuples, one message per engine step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+
+from kestrel.errors import KestrelError
+from kestrel.sampling_params import SamplingParams
+
+
+@dataclass
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]]     # (token_id, logprob), best first
+
+
+@dataclass(slots=True)
+class SampleUpdate:
+    request_id: str
+    index: int
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob] | None
+    finished: bool
+    finish_reason: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+@dataclass(slots=True)
+class EngineStats:
+    num_running: int
+    num_waiting: int
+    kv_cache_usage: float
+    num_used_blocks: int
+    num_total_blocks: int
+    num_preemptions: int
+    prompt_tokens_total: int
+    generation_tokens_total: int
+    prefix_cache_queries: int
+    prefix_cache_hits: int
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLimits:
+    """What decides whether a prompt can ever run; known once the engine has sized its KV cache."""
+    max_model_len: int
+    vocab_size: int
+    kv_capacity_tokens: int          # num_blocks * block_size
+
+    def check_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        """Raise KestrelError for a request that could never run; the server maps it to HTTP 400."""
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise KestrelError("the prompt is empty: at least one token is needed")
+        vocab = self.vocab_size
+        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
+        if bad:
+            raise KestrelError(f"prompt token id {bad[0]!r} is out of range: expected integers in [0, {vocab})")
+        if n >= self.max_model_len:
+            raise KestrelError(f"the prompt has {n} tokens but this model's maximum context length is "
+                               f"{self.max_model_len} tokens (prompt and completion together)")
+        if params.max_tokens is not None and n + params.max_tokens > self.max_model_len:
+            raise KestrelError(f"this model's maximum context length is {self.max_model_len} tokens, but "
+                               f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
+                               "for the completion); reduce max_tokens or the prompt")
+        capacity = self.kv_capacity_tokens
+        total = n + (params.max_tokens or self.max_model_len - n)
+        if min(total, self.max_model_len) > capacity:
+            raise KestrelError(f"a sequence of {total} tokens cannot fit in the KV cache ({capacity} tokens); "
+                               "raise --kv-cache-memory / --gpu-memory-utilization or lower max_tokens")
+
+
+# ---- wire forms: tuples pickle several times faster than dataclasses ---------------------------------------------
+#   update: (request_id, index, new_token_ids, logprobs, finished, finish_reason, num_prompt_tokens,
+#            num_cached_tokens, queue_time_s)
+#     logprobs: None or [(token_id, logprob, [(token_id, logprob), ...]), ...]
+#     queue_time_s: on a sample's first update, seconds it waited to be scheduled; else None
+
+def encode_update(u: SampleUpdate, queue_time_s: float | None) -> tuple:
+    lps = None if u.new_logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in u.new_logprobs]
+    return (u.request_id, u.index, u.new_token_ids, lps, u.finished, u.finish_reason, u.num_prompt_tokens,
+            u.num_cached_tokens, queue_time_s)
+
+
+def decode_logprobs(wire: list[tuple] | None) -> list[TokenLogprob] | None:
+    return None if wire is None else [TokenLogprob(t, lp, top) for t, lp, top in wire]
+
+
+_STATS_FIELDS = tuple(f.name for f in fields(EngineStats))
+
+
+def encode_stats(stats: EngineStats) -> tuple:
+    return tuple(getattr(stats, name) for name in _STATS_FIELDS)
+
+
+def decode_stats(wire: tuple | None) -> EngineStats | None:
+    return None if wire is None else EngineStats(*wire)
