@@ -11,29 +11,19 @@ with the torch reference installed as the prologue: same greedy tokens as the un
 """
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 
 from tests.test_triton_kernels import TOLERANCE, random_paged_cache
+from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
+from tests.triton_interpreter import interpreted_only as interpreted_only_marker
 
-INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
-interpreted_only = pytest.mark.skipif(
-    not INTERPRETED, reason="runs in the TRITON_INTERPRET=1 child started by test_prologue_under_triton_interpreter")
+interpreted_only = interpreted_only_marker("test_prologue_under_triton_interpreter")
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_prologue_under_triton_interpreter():
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-x", __file__],
-        env=env, cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, f"interpreter child failed:\n{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
-    assert " passed" in proc.stdout and "skipped" in proc.stdout  # the launcher itself skips in the child
+    run_file_under_interpreter(__file__)
 
 
 def cos_sin_cache(head_dim: int, max_pos: int = 512, base: float = 10000.0) -> torch.Tensor:
