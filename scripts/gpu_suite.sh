@@ -17,20 +17,40 @@ KESTREL="python3 -m kestrel.cli"
 step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 
-step "tests/gpu"
-KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q tests/gpu \
-  -p no:cacheprovider >> "$LOG" 2>&1; echo "tests/gpu exit $?" | tee -a "$LOG"; tail -3 "$LOG"
-
-step "engine benchmarks"
-timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" --out "$OUT/bench.json" "$@" \
-  >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
+# STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
+#   tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: bs1 A/B of KESTREL_FUSED_ATTN_PROLOGUE
+#   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
+STAGES=" ${STAGES:-tests bench serve} "
+if [[ $STAGES == *" tests "* ]]; then
+  step "tests/gpu"
+  KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q tests/gpu \
+    -p no:cacheprovider >> "$LOG" 2>&1; echo "tests/gpu exit $?" | tee -a "$LOG"; tail -3 "$LOG"
+fi
+if [[ $STAGES == *" bench "* ]]; then
+  step "engine benchmarks"
+  timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" --out "$OUT/bench.json" \
+    "$@" >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
+fi
+if [[ $STAGES == *" prologue "* ]]; then
+  step "fused attention prologue A/B (bs1 and 128 concurrent, no HF peer)"
+  KESTREL_FUSED_ATTN_PROLOGUE=1 timeout 240 python3 -m benchmarks.engine_bench --workdir "$WORK" --skip-hf \
+    --prefix-bench none --models ${PROLOGUE_MODELS:-qwen3-0.6b,llama-3.1-8b} --out "$OUT/bench_prologue.json" \
+    >> "$LOG" 2>&1; echo "prologue bench exit $?" | tee -a "$LOG"
+  python3 -m benchmarks.report "$OUT/bench_prologue.json" | grep -E "^\*\*|graphs|eager" | head -12
+fi
 
 MODEL=$WORK/${SERVE_MODEL:-llama-3.1-8b}
-if [ -d "$MODEL" ]; then
-  step "HTTP overhead (qwen3-0.6b shape)"
-  [ -d "$WORK/qwen3-0.6b" ] && timeout 90 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
+if [[ $STAGES == *" serve "* ]]; then
+  [ -d "$MODEL" ] || python3 -c "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; \
+    w('${SERVE_MODEL:-llama-3.1-8b}', Path('$MODEL'))" >> "$LOG" 2>&1
+  [ -d "$WORK/qwen3-0.6b" ] || python3 -c "from benchmarks.shapes import write_random_checkpoint as w; \
+    from pathlib import Path; w('qwen3-0.6b', Path('$WORK/qwen3-0.6b'))" >> "$LOG" 2>&1
+  step "HTTP overhead (qwen3-0.6b shape): engine process, then --engine-in-thread"
+  timeout 100 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
     --max-tokens 256 --repeats 3 > "$OUT/http_overhead.json" 2>> "$LOG"
-  cat "$OUT/http_overhead.json" 2>/dev/null | tail -20
+  timeout 100 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" --serve-arg=--engine-in-thread \
+    --max-tokens 256 --repeats 3 > "$OUT/http_overhead_thread.json" 2>> "$LOG"
+  grep -h overhead_pct "$OUT"/http_overhead*.json
   # name:extra serve flags:extra bench flags — the slow eager backends run 64-token outputs to save device time.
   SERVE_VARIANTS=${SERVE_VARIANTS:-"graphs:: eager:--disable-cuda-graph:"}
   files=(); labels=()
@@ -50,4 +70,4 @@ fi
 grep -E "Traceback|Error" "$LOG" | sort | uniq -c | head -20
 step "summary"
 cat "$OUT/serve_comparison.md" 2>/dev/null | head -30
-python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"
+[ -f "$OUT/bench.json" ] && python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"
