@@ -56,5 +56,8 @@ def test_offline_runs_the_same_presets_in_process(tmp_path, model_dir, capsys):
     assert result["kind"] == "offline" and [r["name"] for r in result["runs"]] == ["c=1", "c=3"]
     for run in result["runs"]:
         assert run["summary"]["completed"] == 3 and run["summary"]["total_output_tokens"] == 9
-        assert run["summary"]["ttft_ms"]["p50"] > 0
+        assert run["summary"]["ttft_ms"]["p50"] > 0 and run["summary"]["itl_ms"]["p50"] > 0
+        assert all(len(r["itl"]) == 2 for r in run["requests"])   # 3 tokens: 2 inter-token gaps each
+    starts = sorted(r["start"] for r in result["runs"][0]["requests"])
+    assert starts[1] > 0   # c=1 is a closed loop: the second request waits for the first
     assert "c=3" in capsys.readouterr().out

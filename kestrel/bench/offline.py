@@ -1,11 +1,12 @@
-"""`kestrel bench offline [MODEL]`: the same datasets through `LLM.generate` in-process (no HTTP, no server).
+"""`kestrel bench offline [MODEL]`: the same datasets through the engine in-process (no HTTP, no server).
 
-Concurrency c means prompts are handed to `generate` c at a time (each call runs its batch to completion); with
-no concurrency every prompt goes in one call and the engine's scheduler decides the batching. TTFT and E2E come
-from the engine's own request timestamps; ITL is not observable here.
+Concurrency c is a true closed loop: c requests are in flight, and each one that finishes is replaced by the next
+at once, between two engine steps; with no concurrency every prompt is submitted at the start. TTFT, ITL (per
+token) and E2E are timed around the engine's steps, on the same clock as the server benchmark.
 """
 from __future__ import annotations
 
+import collections
 import dataclasses
 import datetime
 import time
@@ -45,17 +46,42 @@ class OfflineConfig:
         return ServeConfig(base_url="offline", warmup_requests=0, stream=False, **shared)
 
 
-def _records(outputs, batch_start: float, run_start: float) -> list[dict[str, Any]]:
-    rows = []
-    for out in outputs:
-        tokens = sum(len(o.token_ids) for o in out.outputs)
-        m = out.metrics
-        rows.append({"start": batch_start - run_start, "ttft": m.ttft_s, "e2e": m.e2e_s, "output_tokens": tokens,
-                     "prompt_tokens": len(out.prompt_token_ids), "prompt_len": len(out.prompt_token_ids),
-                     "max_tokens": None, "itl": [], "token_source": "engine", "success": True, "error": None,
-                     "finish_reason": out.outputs[0].finish_reason if out.outputs else None,
-                     "num_cached_tokens": out.num_cached_tokens})
-    return rows
+def _closed_loop(engine, prompt_ids: list[list[int]], params: list, concurrency: int | None
+                 ) -> tuple[list[dict[str, Any]], float]:
+    """Keep `concurrency` requests in flight until all are done; per-request records and the run's duration."""
+    cap = concurrency or len(prompt_ids)
+    waiting = collections.deque(range(len(prompt_ids)))
+    live: dict[str, dict[str, Any]] = {}
+    rows: list[dict[str, Any] | None] = [None] * len(prompt_ids)
+    run_start = time.perf_counter()
+    while waiting or live:
+        while waiting and len(live) < cap:
+            i = waiting.popleft()
+            rid = f"offline-{i}"
+            engine.add_request(rid, prompt_ids[i], params[i])
+            live[rid] = {"i": i, "sent": time.perf_counter(), "first": None, "last": None, "itl": [], "tokens": 0}
+        for up in engine.step():
+            now = time.perf_counter()
+            st = live[up.request_id]
+            k = len(up.new_token_ids)
+            if k:
+                if st["first"] is None:
+                    st["first"] = now
+                    st["itl"] += [0.0] * (k - 1)
+                else:
+                    st["itl"] += [(now - st["last"]) / k] * k   # a step's k tokens share its gap (docs/bench.md)
+                st["last"] = now
+                st["tokens"] += k
+            if up.finished:
+                i = st["i"]
+                rows[i] = {"start": st["sent"] - run_start, "ttft": (st["first"] or now) - st["sent"],
+                           "e2e": now - st["sent"], "output_tokens": st["tokens"],
+                           "prompt_tokens": len(prompt_ids[i]), "prompt_len": len(prompt_ids[i]),
+                           "max_tokens": params[i].max_tokens, "itl": st["itl"], "token_source": "engine",
+                           "success": True, "error": None, "finish_reason": up.finish_reason,
+                           "num_cached_tokens": up.num_cached_tokens}
+                del live[up.request_id]
+    return [r for r in rows if r is not None], time.perf_counter() - run_start
 
 
 def run_offline_benchmark(cfg: OfflineConfig) -> dict[str, Any]:
@@ -68,14 +94,9 @@ def run_offline_benchmark(cfg: OfflineConfig) -> dict[str, Any]:
     for spec in runs:
         params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, min_tokens=r.output_len)
                   for r in spec.requests]
-        prompts = [r.prompt for r in spec.requests]
-        step = spec.concurrency or len(prompts)
-        rows: list[dict[str, Any]] = []
-        run_start = time.perf_counter()
-        for i in range(0, len(prompts), step):
-            batch_start = time.perf_counter()
-            rows += _records(llm.generate(prompts[i:i + step], params[i:i + step]), batch_start, run_start)
-        duration = time.perf_counter() - run_start
+        prompt_ids = [llm.tokenizer.encode(r.prompt) if isinstance(r.prompt, str) else list(r.prompt)
+                      for r in spec.requests]
+        rows, duration = _closed_loop(llm.engine, prompt_ids, params, spec.concurrency)
         results.append({"name": spec.name, "concurrency": spec.concurrency, "request_rate": None, "stream": False,
                         "num_requests": len(rows), "summary": summarize(rows, duration), "spec_decode": None,
                         "requests": rows})
