@@ -139,7 +139,7 @@ class CudaGraphRunner:
             base, size = L[name]
             h[base + upd_start:base + size] = value
 
-    def _row_for(self, seq: Sequence, live: set[int]) -> _RowState:
+    def _row_for(self, seq: Sequence, batch: list[Sequence]) -> _RowState:
         state = self.row_of.get(seq.seq_id)
         blocks = seq.block_ids
         if state is not None and (state.generation != seq.num_preemptions or state.written > len(blocks)
@@ -148,7 +148,7 @@ class CudaGraphRunner:
             state.generation = seq.num_preemptions
         if state is None:
             if not self.free_rows:
-                self._reclaim_rows(live)
+                self._reclaim_rows({s.seq_id for s in batch})
             state = _RowState(self.free_rows.pop(), 0, seq.num_preemptions)
             self.row_of[seq.seq_id] = state
         return state
@@ -167,23 +167,32 @@ class CudaGraphRunner:
         bs = len(seqs)
         bucket = next(b for b in self.buckets if b >= bs)
         h, L, block_size = self.host_np, self.layout, self.runner.block_size
-        live = {s.seq_id for s in seqs}
         updates: list[tuple[int, int, int]] = []
-        ids_base, pos_base, slot_base = L["input_ids"][0], L["positions"][0], L["slot_mapping"][0]
-        kv_base, rows_base = L["kv_lens"][0], L["rows"][0]
-        for i, seq in enumerate(seqs):
+        ids, positions, slots, rows = [], [], [], []
+        row_of = self.row_of
+        for seq in seqs:
             pos = seq.num_tokens - 1
-            state = self._row_for(seq, live)
             blocks = seq.block_ids
-            for col in range(state.written, len(blocks)):
-                updates.append((state.row, col, blocks[col]))
-            state.written = len(blocks)
-            state.last_block = blocks[-1]
-            h[ids_base + i] = seq.output_token_ids[-1] if seq.output_token_ids else seq.prompt_token_ids[-1]
-            h[pos_base + i] = pos
-            h[slot_base + i] = blocks[pos // block_size] * block_size + pos % block_size
-            h[kv_base + i] = pos + 1
-            h[rows_base + i] = state.row
+            state = row_of.get(seq.seq_id)
+            if state is None or state.written != len(blocks) or state.generation != seq.num_preemptions \
+                    or blocks[-1] != state.last_block:
+                state = self._row_for(seq, seqs)
+                for col in range(state.written, len(blocks)):
+                    updates.append((state.row, col, blocks[col]))
+                state.written = len(blocks)
+                state.last_block = blocks[-1]
+            out = seq.output_token_ids
+            ids.append(out[-1] if out else seq.prompt_token_ids[-1])
+            positions.append(pos)
+            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            rows.append(state.row)
+        for name, values in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
+                             ("rows", rows)):
+            base = L[name][0]
+            h[base:base + bs] = values
+        base = L["kv_lens"][0]
+        h[base:base + bs] = positions
+        h[base:base + bs] += 1
         inline = updates[: self.max_updates]
         if len(updates) > self.max_updates:   # e.g. the first decode after a large prefill: write the rest now
             rest = torch.tensor(updates[self.max_updates:], dtype=torch.int64).to(self.runner.device)

@@ -193,14 +193,15 @@ class Engine:
 
     def _stop_reason(self, seq: Sequence, token: int) -> str | None:
         p = seq.params
-        if seq.num_output_tokens >= p.min_tokens:
+        num_out = len(seq.output_token_ids)
+        if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"
             if token in p.stop_token_ids:
                 return "stop"
-        if p.max_tokens is not None and seq.num_output_tokens >= p.max_tokens:
+        if p.max_tokens is not None and num_out >= p.max_tokens:
             return "length"
-        if seq.num_tokens >= self.max_model_len:
+        if num_out + len(seq.prompt_token_ids) >= self.max_model_len:
             return "length"
         return None
 

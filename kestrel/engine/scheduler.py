@@ -20,13 +20,9 @@ from kestrel.engine.request import Sequence, SeqStatus
 @dataclass(slots=True)
 class ScheduledSeq:
     seq: Sequence
-    start: int           # first position computed this step (= num_computed_tokens before the step)
-    num_tokens: int      # query tokens this step
-
-    @property
-    def completes_prompt(self) -> bool:
-        """After this step every token of the sequence is in the cache, so its next token can be sampled."""
-        return self.start + self.num_tokens == self.seq.num_tokens
+    start: int               # first position computed this step (= num_computed_tokens before the step)
+    num_tokens: int          # query tokens this step
+    completes_prompt: bool   # after this step every token is in the cache, so the next one can be sampled
 
 
 @dataclass(slots=True)
@@ -75,7 +71,8 @@ class Scheduler:
                         break
                 if seq.status is not SeqStatus.RUNNING:
                     break
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, num_new == remaining))
             budget -= num_new
             i += 1
         skipped: list[Sequence] = []
@@ -94,7 +91,8 @@ class Scheduler:
             if seq.first_scheduled_time is None:
                 seq.first_scheduled_time = time.monotonic()
             self.running.append(seq)
-            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new))
+            remaining = seq.num_tokens - seq.num_computed_tokens
+            scheduled.append(ScheduledSeq(seq, seq.num_computed_tokens, num_new, num_new == remaining))
             budget -= num_new
         self.waiting.extendleft(reversed(skipped))
         return StepPlan(scheduled, preempted)
