@@ -24,7 +24,6 @@ be seen in the stacks the watchdog asks for.
 from __future__ import annotations
 
 import asyncio
-import faulthandler
 import logging
 import multiprocessing
 import queue
@@ -123,8 +122,8 @@ class EngineProcess:
                     return header + self._stacks.recv()
             except (OSError, EOFError):
                 return header + "(the engine process is gone)"
-        return header + f"(no answer within {timeout_s:g} s: the engine holds the GIL; faulthandler writes its " \
-                        "stacks to stderr after twice the stall timeout)"
+        return header + f"(no answer within {timeout_s:g} s: the engine process holds its GIL, in native code; " \
+                        f"py-spy dump --pid {self.process.pid} shows where)"
 
     def detach(self) -> None:
         """On the event loop, before stop(): stop reading events (shutting down: nobody waits for them)."""
@@ -199,8 +198,6 @@ def engine_process_main(config: EngineConfig, commands, events, stacks, log_leve
         run_engine_core(config, ForwardedProgress(events.send, pipe, stall_timeout_s), pipe, events.send)
     except (BrokenPipeError, ConnectionResetError):   # the server process is gone
         pass
-    finally:
-        faulthandler.cancel_dump_traceback_later()
 
 
 class _PipeCommands:
@@ -232,7 +229,7 @@ def _answer_stack_requests(conn) -> None:
 class ForwardedProgress(Progress):
     """Progress inside the engine process: each report goes to the server's StartupProgress (which logs it and
     serves it on /health) and waits for its ack. "ready" is not forwarded: the server declares itself ready once it
-    has loaded its tokenizer too. faulthandler is the backstop for a hang that holds this process's GIL."""
+    has loaded its tokenizer too."""
 
     def __init__(self, send: Callable[[tuple], None], commands: _PipeCommands,
                  stall_timeout_s: float | None) -> None:
@@ -244,7 +241,6 @@ class ForwardedProgress(Progress):
     def begin(self, phase: str, total: float | None = None, unit: str = "") -> None:
         self.phase, self.total, self.done, self.unit = phase, total, 0.0, unit
         if phase == "ready":
-            faulthandler.cancel_dump_traceback_later()
             return
         self._report(("progress", "begin", (phase, total, unit)))
 
@@ -253,8 +249,8 @@ class ForwardedProgress(Progress):
         self._report(("progress", "update", (done,)))
 
     def _report(self, event: tuple) -> None:
-        if self._stall_timeout_s:
-            faulthandler.dump_traceback_later(self._stall_timeout_s * 2, exit=False, file=sys.__stderr__)
+        # No faulthandler.dump_traceback_later here: its watchdog reads other threads' frames without the GIL
+        # and crashed this process (SIGSEGV) when it fired while the stacks thread was formatting frames.
         self._send(event)
         reply = self._commands.get()
         if reply[0] == "stop":
