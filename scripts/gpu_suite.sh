@@ -8,7 +8,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; LOG=$OUT/suite.log; WORK=${KESTREL_BENCH_WORKDIR:-/tmp/kestrel-bench}
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # fastapi/uvicorn/flashinfer wheels carried by hand
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # from scripts/fetch_gpu_wheels.sh, carried with the call
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
 fi
