@@ -16,7 +16,7 @@ from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
 from kestrel.engine.batch import build_forward_batch
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
-from kestrel.engine.request import Sequence, SeqStatus
+from kestrel.engine.request import Sequence
 from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.setup import build_runner

@@ -10,7 +10,6 @@ import logging
 import time
 from pathlib import Path
 
-import torch
 from safetensors import safe_open
 from torch import nn
 
