@@ -7,7 +7,7 @@ from collections.abc import AsyncIterator
 from kestrel.errors import KestrelError
 from kestrel.server.protocol import (AssistantMessage, ChatChoice, ChatCompletionRequest, ChatCompletionResponse,
                                      ChatLogprobs, ChatTokenLogprob, TopLogprob)
-from kestrel.server.serving import DONE, APIError, Generation, TokenText, api_error_from, sse
+from kestrel.server.serving import APIError, Generation, TokenText, framed_stream, sse
 
 
 def prompt_token_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
@@ -67,7 +67,7 @@ async def stream(gen: Generation, model: str, token_text: TokenText, want_logpro
             body["usage"] = gen.usage().model_dump() if continuous_usage else None
         return sse(json.dumps(body))
 
-    try:
+    async def chunks() -> AsyncIterator[str]:
         for c in gen.choices:   # OpenAI opens every choice with the role
             yield chunk(c.index, {"role": "assistant", "content": ""})
         async for choice, delta in gen.events():
@@ -75,10 +75,6 @@ async def stream(gen: Generation, model: str, token_text: TokenText, want_logpro
                 continue   # text held back (partial UTF-8 or a possible stop string): nothing to say yet
             logprobs = logprobs_block(delta.logprobs or [], token_text).model_dump() if want_logprobs else None
             yield chunk(choice.index, {"content": delta.text} if delta.text else {}, delta.finish_reason, logprobs)
-        if include_usage:
-            yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))
-    except Exception as exc:   # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-        yield sse(json.dumps(api_error_from(exc).body()))
-    finally:
-        gen.close()
-    yield DONE
+
+    async for frame in framed_stream(gen, head, include_usage, chunks()):
+        yield frame

@@ -5,7 +5,7 @@ import json
 from collections.abc import AsyncIterator
 
 from kestrel.server.protocol import CompletionChoice, CompletionLogprobs, CompletionRequest, CompletionResponse
-from kestrel.server.serving import DONE, APIError, Generation, TokenText, api_error_from, sse
+from kestrel.server.serving import APIError, Generation, TokenText, framed_stream, sse
 
 
 def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[list[int]]:
@@ -51,7 +51,8 @@ async def stream(gen: Generation, model: str, token_text: TokenText, want_logpro
                  include_usage: bool, continuous_usage: bool = False) -> AsyncIterator[str]:
     offsets = [0] * len(gen.choices)
     head = {"id": gen.id, "object": "text_completion", "created": gen.created, "model": model}
-    try:
+
+    async def chunks() -> AsyncIterator[str]:
         async for choice, delta in gen.events():
             if not delta.text and delta.finish_reason is None and not (want_logprobs and delta.logprobs):
                 continue   # text held back (partial UTF-8 or a possible stop string): nothing to say yet
@@ -65,10 +66,6 @@ async def stream(gen: Generation, model: str, token_text: TokenText, want_logpro
             if include_usage:
                 chunk["usage"] = gen.usage().model_dump() if continuous_usage else None
             yield sse(json.dumps(chunk))
-        if include_usage:
-            yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))
-    except Exception as exc:   # noqa: BLE001 - headers are sent: report in-band, as vLLM does
-        yield sse(json.dumps(api_error_from(exc).body()))
-    finally:
-        gen.close()
-    yield DONE
+
+    async for frame in framed_stream(gen, head, include_usage, chunks()):
+        yield frame

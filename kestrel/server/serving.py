@@ -7,6 +7,7 @@ A request with several prompts (completions) becomes one engine request per prom
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import time
 import uuid
@@ -224,6 +225,22 @@ async def run_to_completion(generation: Generation, receive) -> bool:
         return False
     work.result()   # re-raise an engine failure
     return True
+
+
+async def framed_stream(gen: Generation, head: dict, include_usage: bool,
+                        chunks: AsyncIterator[str]) -> AsyncIterator[str]:
+    """The SSE frame both endpoints share: their chunks, the usage chunk when asked, an in-band error if the
+    generation fails after the headers went out (as vLLM does), then [DONE]; the generation is closed either way."""
+    try:
+        async for chunk in chunks:
+            yield chunk
+        if include_usage:
+            yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))
+    except Exception as exc:   # noqa: BLE001 - headers are sent: report in-band
+        yield sse(json.dumps(api_error_from(exc).body()))
+    finally:
+        gen.close()
+    yield DONE
 
 
 def sse(payload: str) -> str:
