@@ -50,6 +50,7 @@ class Engine:
         self._pending: list[SampleUpdate] = []   # finishes decided outside step() (abort, stop strings)
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
+        self._evictable, self._evictable_at = 0, float("-inf")   # stats(): cached radix-tree count
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -232,9 +233,13 @@ class Engine:
     def sequences(self, request_id: str) -> list[Sequence]:
         return list(self.requests.get(request_id, []))
 
-    def stats(self) -> EngineStats:
-        # Blocks held only by the prefix cache are reusable, so they do not count as used.
-        used = self.pool.num_used - self.prefix_cache.num_evictable_blocks()
+    def stats(self, max_age_s: float = 0.0) -> EngineStats:
+        """Counters and KV usage. Blocks held only by the prefix cache are reusable, so they do not count as used;
+        counting them walks the radix tree, so a per-step caller passes max_age_s to reuse a recent count."""
+        now = time.monotonic()
+        if max_age_s <= 0 or now - self._evictable_at > max_age_s:
+            self._evictable, self._evictable_at = self.prefix_cache.num_evictable_blocks(), now
+        used = max(0, self.pool.num_used - self._evictable)
         pc = self.prefix_cache.stats
         return EngineStats(
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
