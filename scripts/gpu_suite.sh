@@ -18,13 +18,21 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 
 # STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
-#   tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: bs1 A/B of KESTREL_FUSED_ATTN_PROLOGUE
+#   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: bs1 A/B of KESTREL_FUSED_ATTN_PROLOGUE
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
 if [[ $STAGES == *" tests "* ]]; then
   step "tests/gpu"
   KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout ${GPU_TEST_TIMEOUT:-200} python3 -m pytest -q tests/gpu \
     -p no:cacheprovider >> "$LOG" 2>&1; echo "tests/gpu exit $?" | tee -a "$LOG"; tail -3 "$LOG"
+fi
+if [[ $STAGES == *" profile "* ]]; then
+  step "bs1 decode profile (kernel table per step), fused attention prologue off then on"
+  timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
+    --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
+  KESTREL_FUSED_ATTN_PROLOGUE=1 timeout 200 python3 -m benchmarks.profile_decode --workdir "$WORK" \
+    --out "$OUT/profile_prologue.json" --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" \
+    | grep -E "^##|engine.step" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" bench "* ]]; then
   step "engine benchmarks"

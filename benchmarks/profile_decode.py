@@ -1,0 +1,126 @@
+"""Where a bs1 decode step's time goes, on the GPU: kernel table from torch.profiler over CUDA graph replays.
+
+For each model shape: one 128-token prompt is prefilled, then
+  - engine.step() wall time per decode token (what the bs1 benchmark sees),
+  - graph replay alone, back to back, timed with CUDA events (the GPU's time per step),
+  - a profile of a few replays: per kernel name, launches and microseconds per step, plus the idle gaps
+    between kernels (replay span minus kernel time).
+Writes JSON (--out) and prints the tables.
+
+    python -m benchmarks.profile_decode --models qwen3-0.6b,llama-3.1-8b --workdir /tmp/kestrel-bench
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import torch
+
+from benchmarks.shapes import SHAPES, write_random_checkpoint
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+from kestrel.sampling_params import SamplingParams
+
+
+def _kernel_events(prof) -> list[tuple[str, float, float]]:
+    """(name, start_us, duration_us) of every GPU kernel/memcpy the profiler saw, sorted by start."""
+    out = []
+    for e in prof.events():
+        if getattr(e.device_type, "name", str(e.device_type)) != "CUDA":
+            continue
+        tr = e.time_range
+        out.append((e.name, float(tr.start), float(tr.end - tr.start)))
+    return sorted(out, key=lambda x: x[1])
+
+
+def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) -> dict:
+    model_dir = workdir / name
+    if not (model_dir / "config.json").exists():
+        write_random_checkpoint(name, model_dir)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=8, max_num_seqs=8))
+    vocab = SHAPES[name]["vocab_size"]
+    prompt = [(i * 7919) % (vocab - 2) + 2 for i in range(128)]
+    engine.add_request("p", prompt, SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
+    for _ in range(20):   # prefill + warm decode steps
+        engine.step()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        engine.step()
+    step_ms = 1000 * (time.perf_counter() - t0) / steps
+
+    graphs = engine.runner.graphs
+    result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
+              "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE") == "1"}
+    if graphs is None:
+        return result
+    graph = graphs.graphs[1]
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    for _ in range(5):
+        graph.replay()
+    start.record()
+    for _ in range(steps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    result["graph_replay_ms"] = start.elapsed_time(end) / steps
+
+    n_prof = 10
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        for _ in range(n_prof):
+            graph.replay()
+        torch.cuda.synchronize()
+    events = _kernel_events(prof)
+    if trace_dir is not None:
+        prof.export_chrome_trace(str(trace_dir / f"trace_{name}.json"))
+    per_name: dict[str, list[float]] = defaultdict(list)
+    for kname, _, dur in events:
+        per_name[kname].append(dur)
+    table = sorted(((k, len(v) / n_prof, sum(v) / n_prof) for k, v in per_name.items()), key=lambda r: -r[2])
+    busy = sum(d for _, _, d in events) / n_prof
+    span = (events[-1][1] + events[-1][2] - events[0][1]) / n_prof if events else 0.0
+    result.update({"kernels_per_step": len(events) / n_prof, "kernel_us_per_step": busy,
+                   "span_us_per_step": span, "gap_us_per_step": span - busy,
+                   "kernels": [{"name": k[:120], "launches": c, "us_per_step": round(t, 2),
+                                "us_each": round(t / c, 2)} for k, c, t in table]})
+    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
+    result["weight_gb"] = weight_bytes / 1e9
+    del engine
+    torch.cuda.empty_cache()
+    return result
+
+
+def print_result(r: dict) -> None:
+    print(f"\n## {r['model']} bs1 decode (fused attention prologue: {r['fused_attn_prologue']})")
+    print(f"engine.step {r['engine_step_ms']:.3f} ms ({r['tok_s']:.0f} tok/s); graph replay "
+          f"{r.get('graph_replay_ms', float('nan')):.3f} ms; kernels/step {r.get('kernels_per_step', 0):.0f}, "
+          f"kernel time {r.get('kernel_us_per_step', 0):.0f} us, idle gaps {r.get('gap_us_per_step', 0):.0f} us")
+    print("| kernel | launches/step | us/step | us each |\n|---|---|---|---|")
+    for k in r.get("kernels", [])[:25]:
+        print(f"| {k['name'][:90]} | {k['launches']:.0f} | {k['us_per_step']:.1f} | {k['us_each']:.2f} |")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="qwen3-0.6b,llama-3.1-8b")
+    ap.add_argument("--workdir", type=Path, default=Path("/tmp/kestrel-bench"))
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--out", type=Path, default=None)
+    ap.add_argument("--trace-dir", type=Path, default=None)
+    args = ap.parse_args()
+    results = []
+    for name in args.models.split(","):
+        r = profile_model(name, args.workdir, args.steps, args.trace_dir)
+        print_result(r)
+        results.append(r)
+    if args.out:
+        args.out.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
