@@ -6,7 +6,9 @@ current phase on /health and to run a stall watchdog.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
+import os
 import sys
 import threading
 import time
@@ -14,7 +16,8 @@ import traceback
 
 logger = logging.getLogger("kestrel.startup")
 
-PHASES = ("resolving_model", "loading_weights", "allocating_kv_cache", "capturing_cuda_graphs", "warming_up", "ready")
+PHASES = ("resolving_model", "loading_weights", "compiling_kernels", "allocating_kv_cache", "capturing_cuda_graphs",
+          "warming_up", "ready")
 
 
 def _fmt(value: float, unit: str) -> str:
@@ -94,3 +97,55 @@ def format_all_stacks() -> str:
         stack = "".join(traceback.format_stack(frame))
         parts.append(f"--- thread {names.get(ident, '?')} ({ident}) ---\n{stack}")
     return "\n".join(parts)
+
+
+def descendant_cpu_seconds(root: int | None = None) -> float:
+    """CPU time (user + system, reaped children included) of every process below `root` (default: this one),
+    read from /proc; 0.0 where /proc is not there."""
+    root = os.getpid() if root is None else root
+    ticks = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
+    children: dict[int, list[int]] = {}
+    cpu: dict[int, float] = {}
+    try:
+        pids = [int(d) for d in os.listdir("/proc") if d.isdigit()]
+    except OSError:
+        return 0.0
+    for pid in pids:
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:
+            continue   # exited meanwhile
+        ppid = int(fields[1])
+        children.setdefault(ppid, []).append(pid)
+        cpu[pid] = sum(int(x) for x in fields[11:15]) / ticks   # utime stime cutime cstime
+    total, todo = 0.0, list(children.get(root, []))
+    while todo:
+        pid = todo.pop()
+        total += cpu.get(pid, 0.0)
+        todo += children.get(pid, [])
+    return total
+
+
+@contextlib.contextmanager
+def child_cpu_progress(progress: Progress, interval_s: float = 2.0):
+    """While the block runs (e.g. a JIT compiler working in child processes), report the children's CPU seconds
+    as the phase's progress whenever they grow: real work shows as progress, a hang does not."""
+    stop = threading.Event()
+    base = descendant_cpu_seconds()
+
+    def watch() -> None:
+        last = 0.0
+        while not stop.wait(interval_s):
+            used = descendant_cpu_seconds() - base
+            if used > last + 0.1:
+                last = used
+                progress.update(used)
+
+    thread = threading.Thread(target=watch, name="child-cpu-progress", daemon=True)
+    thread.start()
+    try:
+        yield
+    finally:
+        stop.set()
+        thread.join()

@@ -65,7 +65,7 @@ if [[ $STAGES == *" serve "* ]]; then
   for v in $SERVE_VARIANTS; do
     IFS=: read -r name serve_flags bench_flags <<< "$v"
     step "launch + bench serve single-and-peak: $name"
-    timeout 200 $KESTREL launch --name "kestrel-$name" --ready-timeout 120 --stall-timeout 60 \
+    timeout 330 $KESTREL launch --name "kestrel-$name" --ready-timeout 300 --stall-timeout 60 \
       --then "$KESTREL bench serve --base-url {base_url} --preset single-and-peak --label kestrel-$name \
               --no-progress $bench_flags --output $OUT/serve_$name.json" \
       -- $KESTREL serve "$MODEL" --port 8011 $serve_flags >> "$LOG" 2>&1

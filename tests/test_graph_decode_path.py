@@ -25,8 +25,8 @@ def test_graph_decode_path_matches_eager_under_preemption(checkpoint_factory):
     # 4 graph rows per batch at most and only 8 persistent rows: rows are reclaimed and rewritten.
     runner.graphs = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=64, max_rows=8)
     calls = []
-    original = runner.graphs.run
-    runner.graphs.run = lambda seqs: calls.append(len(seqs)) or original(seqs)
+    original = runner.graphs.launch
+    runner.graphs.launch = lambda seqs, prev=None: calls.append(len(seqs)) or original(seqs, prev)
     graphed = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert llm.engine.scheduler.num_preemptions > 0 and calls and max(calls) <= 4

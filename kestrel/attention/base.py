@@ -23,6 +23,7 @@ from kestrel.engine.batch import ForwardBatch
 
 class AttentionBackend(ABC):
     name: str = "base"
+    compiles_at_first_use: bool = False   # JIT-compiles its kernels on the first forward (startup shows it)
 
     def prepare(self, batch: ForwardBatch) -> None:
         """Build per-step metadata shared by all layers (called once per forward, before the layers)."""

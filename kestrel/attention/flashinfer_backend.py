@@ -29,6 +29,7 @@ def _import_flashinfer():
 
 class FlashInferAttentionBackend(AttentionBackend):
     name = "flashinfer"
+    compiles_at_first_use = True   # nvcc builds its prefill/decode modules on a fresh machine (minutes)
 
     def __init__(self) -> None:
         self._flashinfer = _import_flashinfer()

@@ -13,8 +13,14 @@ Block tables live on the device across steps ("persistent rows"): each running s
 and a step only ships the blocks appended since the sequence's last graph step, as (row, col, block) triples
 that the graph scatters into `tables` before gathering the batch's rows. The packed input buffer (int64):
 
-    | input_ids [B] | positions [B] | slot_mapping [B] | kv_lens [B] | rows [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+    | prev_tokens [B] | input_ids [B] | input_src [B] | positions [B] | slot_mapping [B] | kv_lens [B] | rows [B] |
+    | upd_rows [U] | upd_cols [U] | upd_vals [U] |
       padding rows: token 0, position 0, slot -1 (no KV write), kv_len 1, row = dummy; padding updates hit the dummy row
+
+`prev_tokens` is never copied from the host: the graph writes its argmax there, and the next step's rows gather
+their input token through `input_src`, an index into the packed buffer that points either at the row's own
+`input_ids` entry (a token the host knows) or at a `prev_tokens` row (the token the previous step is still
+producing). That lets the engine launch step N+1 before it has read step N's tokens (the overlap schedule).
 """
 from __future__ import annotations
 
@@ -65,10 +71,11 @@ class CudaGraphRunner:
         device = runner.device
         self.tables = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int64, device=device)
         b, u = max_bs, self.max_updates
-        self.layout = {"input_ids": (0, b), "positions": (b, b), "slot_mapping": (2 * b, b), "kv_lens": (3 * b, b),
-                       "rows": (4 * b, b), "upd_rows": (5 * b, u), "upd_cols": (5 * b + u, u),
-                       "upd_vals": (5 * b + 2 * u, u)}
-        size = 5 * b + 3 * u
+        names = ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping", "kv_lens", "rows")
+        self.layout = {name: (i * b, b) for i, name in enumerate(names)}
+        self.layout.update({"upd_rows": (7 * b, u), "upd_cols": (7 * b + u, u), "upd_vals": (7 * b + 2 * u, u)})
+        size = 7 * b + 3 * u
+        self.host_start = b   # the host's part of the buffer starts after prev_tokens
         self.host = torch.zeros(size, dtype=torch.int64)
         if device.type == "cuda":
             self.host = self.host.pin_memory()   # so the one host-to-device copy per step is truly async
@@ -94,20 +101,21 @@ class CudaGraphRunner:
         upd_rows, upd_cols, upd_vals = self._view("upd_rows"), self._view("upd_cols"), self._view("upd_vals")
         self.tables.index_put_((upd_rows, upd_cols), upd_vals)
         block_table = self.tables.index_select(0, self._view("rows", bs))
+        input_ids = self.dev.index_select(0, self._view("input_src", bs))
         batch = ForwardBatch(
-            input_ids=self._view("input_ids", bs), positions=self._view("positions", bs),
+            input_ids=input_ids, positions=self._view("positions", bs),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
             block_table=block_table, slot_mapping=self._view("slot_mapping", bs), logits_at=self.logits_at[:bs],
             max_query_len=1, max_kv_len=self.max_kv_len,
         )
         logits = self.runner.forward_eager(batch).logits
-        return logits, logits.argmax(dim=-1)
+        return logits, torch.argmax(logits, dim=-1, out=self._view("prev_tokens", bs))
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
         runner = self.runner
         runner.backend.init_graph_buffers(self.max_bs, self.tables.shape[1], runner.device)
-        self.dev.copy_(self.host)
+        self.dev[self.host_start:].copy_(self.host[self.host_start:])
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
         for i, bs in enumerate(reversed(self.buckets)):
@@ -135,6 +143,8 @@ class CudaGraphRunner:
                             ("rows", self.dummy_row)):
             base = L[name][0]
             h[base + start:base + stop] = value
+        base = L["input_src"][0]
+        h[base + start:base + stop] = range(L["input_ids"][0] + start, L["input_ids"][0] + stop)
         for name, value in (("upd_rows", self.dummy_row), ("upd_cols", 0), ("upd_vals", 0)):
             base, size = L[name]
             h[base + upd_start:base + size] = value
@@ -164,13 +174,24 @@ class CudaGraphRunner:
 
     @torch.inference_mode()
     def run(self, seqs: list[Sequence]) -> GraphStepOutput:
+        logits, tokens = self.launch(seqs)
+        return GraphStepOutput(logits=logits, greedy_tokens=tokens.tolist())
+
+    @torch.inference_mode()
+    def launch(self, seqs: list[Sequence], prev_rows: dict[int, int] | None = None
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue one decode step without waiting for it: (logits [bs, vocab], argmax tokens [bs]) on the device,
+        valid until the next launch. A sequence whose last token is still a placeholder (< 0, see
+        engine/overlap.py) takes its input from row prev_rows[seq_id] of the previous launch's tokens."""
         bs = len(seqs)
         bucket = next(b for b in self.buckets if b >= bs)
         h, L, block_size = self.host_np, self.layout, self.runner.block_size
         updates: list[tuple[int, int, int]] = []
-        ids, positions, slots, rows = [], [], [], []
+        srcs, positions, slots, rows = [], [], [], []
+        ids = h[L["input_ids"][0]:L["input_ids"][0] + bs]
+        ids_at, prev_at = L["input_ids"][0], L["prev_tokens"][0]
         row_of = self.row_of
-        for seq in seqs:
+        for i, seq in enumerate(seqs):
             pos = seq.num_tokens - 1
             blocks = seq.block_ids
             state = row_of.get(seq.seq_id)
@@ -182,11 +203,16 @@ class CudaGraphRunner:
                 state.written = len(blocks)
                 state.last_block = blocks[-1]
             out = seq.output_token_ids
-            ids.append(out[-1] if out else seq.prompt_token_ids[-1])
+            token = out[-1] if out else seq.prompt_token_ids[-1]
+            if token >= 0:
+                ids[i] = token
+                srcs.append(ids_at + i)
+            else:
+                srcs.append(prev_at + prev_rows[seq.seq_id])
             positions.append(pos)
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             rows.append(state.row)
-        for name, values in (("input_ids", ids), ("positions", positions), ("slot_mapping", slots),
+        for name, values in (("input_src", srcs), ("positions", positions), ("slot_mapping", slots),
                              ("rows", rows)):
             base = L[name][0]
             h[base:base + bs] = values
@@ -201,13 +227,14 @@ class CudaGraphRunner:
             base = L[name][0]
             h[base:base + len(inline)] = [u[col] for u in inline]
         self._fill_padding(bs, bucket, len(inline))
-        self.dev.copy_(self.host, non_blocking=True)
+        start = self.host_start   # prev_tokens stays: the previous step may still be writing it
+        self.dev[start:].copy_(self.host[start:], non_blocking=True)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             logits, tokens = self.outputs[bucket]
         else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
             logits, tokens = self._graph_body(bucket)
-        return GraphStepOutput(logits=logits[:bs], greedy_tokens=tokens[:bs].tolist())
+        return logits[:bs], tokens[:bs]
 
 
 def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: Progress) -> None:

@@ -16,7 +16,9 @@ from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
 from kestrel.engine.batch import build_forward_batch
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
-from kestrel.engine.request import Sequence
+from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, TokenReadback, blocks_to_grow,
+                                    greedy_graph_eligible, steps_to_length_stop)
+from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.setup import build_runner
@@ -51,6 +53,9 @@ class Engine:
         self.prompt_tokens_total = 0
         self.generation_tokens_total = 0
         self._evictable, self._evictable_at = 0, float("-inf")   # stats(): cached radix-tree count
+        # The overlap schedule (engine/overlap.py): at most one decode step launched and not yet read back.
+        self._inflight: InflightDecode | None = None
+        self._readback: TokenReadback | None = None   # made at the first overlapped launch
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -89,27 +94,43 @@ class Engine:
     def _finish_outside_step(self, seq: Sequence, reason: str) -> None:
         if seq.is_finished:
             return
+        inflight = self._inflight
+        if inflight is not None and seq in inflight.seqs:   # its launched token is dropped, never reported
+            self._drop_tokens_from(seq, inflight.positions[inflight.seqs.index(seq)])
         self.scheduler.finish(seq, reason)
         self._pending.append(self._update(seq, [], None))
         self._forget_if_done(seq.request_id)
 
     # ---- the step ----------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work() or bool(self._pending)
+        return self.scheduler.has_work() or bool(self._pending) or self._inflight is not None
 
     @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
+        if self._inflight is not None and not self._can_continue_overlap(self._inflight):
+            updates += self._resolve_inflight()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
-            return updates
+            return updates + self._resolve_inflight()
         graphs = self.runner.graphs
         if graphs is not None and plan.num_tokens == len(plan.scheduled) and graphs.can_run(len(plan.scheduled)) \
                 and all(s.completes_prompt for s in plan.scheduled):
+            if self._overlap_enabled() and all(self._greedy_ok(s.seq) for s in plan.scheduled):
+                return updates + self._launch_overlapped(plan.scheduled)
+            updates += self._resolve_inflight()   # (not reached when _can_continue_overlap said yes)
+            plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
+            if not plan.scheduled:
+                return updates
             # Pure decode step: one graph replay; the graph also computed each row's argmax.
             out = graphs.run([s.seq for s in plan.scheduled])
             self._mark_computed(plan.scheduled)
             return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
+        if self._inflight is not None:   # defensive: the placeholders must be real tokens before an eager batch
+            updates += self._resolve_inflight()
+            plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
+            if not plan.scheduled:
+                return updates
         prefill_graphs = self.runner.prefill_graphs
         if prefill_graphs is not None and len(plan.scheduled) == 1 \
                 and prefill_graphs.can_run(plan.num_tokens, plan.scheduled[0].start):
@@ -133,6 +154,80 @@ class Engine:
         if sampling:
             updates += self._sample_and_update(sampling, output.logits)
         return updates
+
+    # ---- the overlap schedule (engine/overlap.py) ----------------------------------------------------------
+    def _overlap_enabled(self) -> bool:
+        return self.runner.graphs is not None and not self.config.disable_overlap_schedule
+
+    def _greedy_ok(self, seq: Sequence) -> bool:
+        p = seq.params
+        return greedy_graph_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids)))
+
+    def _can_continue_overlap(self, inflight: InflightDecode) -> bool:
+        """Whether the next step is again a greedy graph decode of exactly the launched rows, with blocks to grow
+        into and nothing waiting: then it can be launched before `inflight` is read back."""
+        running = self.scheduler.running
+        if (not self._overlap_enabled() or self.scheduler.waiting or len(running) != len(inflight.seqs)
+                or not self.runner.graphs.can_run(len(running))
+                or len(running) > self.config.max_num_batched_tokens):
+            return False
+        blocks = 0
+        for seq in inflight.seqs:
+            if seq.status is not SeqStatus.RUNNING or steps_to_length_stop(seq, self.max_model_len) <= 0 \
+                    or not self._greedy_ok(seq):
+                return False
+            blocks += blocks_to_grow(seq, self.config.block_size)
+        return blocks <= self.pool.num_free   # never preempt or evict with placeholders in flight
+
+    def _launch_overlapped(self, rows: list[ScheduledSeq]) -> list[SampleUpdate]:
+        """Launch this decode step, give each row a placeholder token, then resolve the previous step (which the
+        GPU finishes while this one is queued behind it)."""
+        seqs = [r.seq for r in rows]
+        previous = self._inflight
+        graphs = self.runner.graphs
+        _, tokens = graphs.launch(seqs, previous.rows if previous is not None else None)
+        if self._readback is None:
+            self._readback = TokenReadback(graphs.max_bs, self.device)
+        host_tokens, done = self._readback.start(tokens)
+        self._mark_computed(rows)
+        positions = []
+        for seq in seqs:
+            positions.append(len(seq.output_token_ids))
+            seq.output_token_ids.append(PLACEHOLDER)
+        self._inflight = InflightDecode(seqs, positions, host_tokens, done)
+        return self._resolve(previous) if previous is not None else []
+
+    def _resolve_inflight(self) -> list[SampleUpdate]:
+        inflight, self._inflight = self._inflight, None
+        return self._resolve(inflight) if inflight is not None else []
+
+    def _resolve(self, inflight: InflightDecode) -> list[SampleUpdate]:
+        """Write a launched step's tokens over their placeholders and apply the stop checks."""
+        tokens = inflight.tokens()
+        now = time.monotonic()
+        updates = []
+        for seq, pos, token in zip(inflight.seqs, inflight.positions, tokens):
+            if seq.is_finished:   # aborted, or stopped by a string, after the launch
+                continue
+            seq.output_token_ids[pos] = token
+            self.generation_tokens_total += 1
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            reason = self._stop_reason(seq, token, num_out=pos + 1)
+            if reason is not None:
+                self._drop_tokens_from(seq, pos + 1)   # a step launched after this one is discarded
+                self.scheduler.finish(seq, reason)
+            updates.append(self._update(seq, [token], None))
+            if reason is not None:
+                self._forget_if_done(seq.request_id)
+        return updates
+
+    @staticmethod
+    def _drop_tokens_from(seq: Sequence, index: int) -> None:
+        """Forget output tokens from `index` on (placeholders of launched steps); their KV slots are simply
+        never read."""
+        del seq.output_token_ids[index:]
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
 
     def _mark_computed(self, scheduled: list[ScheduledSeq]) -> None:
         for s in scheduled:
@@ -192,9 +287,10 @@ class Engine:
                     masked = True
         return masked
 
-    def _stop_reason(self, seq: Sequence, token: int) -> str | None:
+    def _stop_reason(self, seq: Sequence, token: int, num_out: int | None = None) -> str | None:
+        """Why the sequence stops after `token`, its num_out-th output token (default: the last one)."""
         p = seq.params
-        num_out = len(seq.output_token_ids)
+        num_out = len(seq.output_token_ids) if num_out is None else num_out
         if num_out >= p.min_tokens:
             if not p.ignore_eos and token in self.eos_token_ids:
                 return "stop"

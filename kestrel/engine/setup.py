@@ -19,7 +19,7 @@ from kestrel.models.loader import load_weights
 from kestrel.models.model_config import ModelConfig, load_model_config
 from kestrel.models.registry import model_class
 from kestrel.models.tokenizer import Tokenizer
-from kestrel.progress import Progress
+from kestrel.progress import Progress, child_cpu_progress
 
 logger = logging.getLogger("kestrel.setup")
 
@@ -100,6 +100,10 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     if device.type == "cuda":
         from kestrel.engine.fast_path import enable_fused_ops
         enable_fused_ops(model, backend)
+    if backend.compiles_at_first_use:
+        progress.begin("compiling_kernels", unit="CPU s")
+        with child_cpu_progress(progress):
+            compile_backend_kernels(runner, config.block_size)
 
     progress.begin("allocating_kv_cache")
     num_blocks = size_kv_cache(config, cfg, runner, max_model_len)
@@ -166,6 +170,19 @@ def profile_activation_peak(runner: ModelRunner, config: EngineConfig) -> int:
     runner.kv_caches = []
     torch.cuda.empty_cache()
     return peak
+
+
+def compile_backend_kernels(runner: ModelRunner, block_size: int) -> None:
+    """A prefill and a decode step on a scratch two-block KV cache, so a JIT-compiling backend builds its kernels
+    in a phase of its own (whose progress is the compiler's CPU time) rather than inside KV-cache sizing."""
+    runner.allocate_kv_cache(2)
+    try:
+        runner.forward(build_forward_batch([[0, 0]], [0], [[0]], block_size))
+        runner.forward(build_forward_batch([[0]], [2], [[0]], block_size))
+        if runner.device.type == "cuda":
+            torch.cuda.synchronize(runner.device)
+    finally:
+        runner.kv_cache, runner.kv_caches = None, []
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:

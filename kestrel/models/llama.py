@@ -14,6 +14,7 @@ from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.layers.skinny import SkinnyMatmuls
 from kestrel.models.model_config import ModelConfig
 
 
@@ -35,7 +36,11 @@ class Attention(nn.Module):
 
     def forward(self, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        qkv = self.qkv_proj(hidden)
+        return self.o_proj(self.attend(self.qkv_proj(hidden), batch, backend, k_cache, v_cache))
+
+    def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Projected q|k|v [T, q + 2 kv] -> attention output [T, num_heads * head_dim], before o_proj."""
         if self.prologue is not None:
             q_norm_w = self.q_norm.weight if self.q_norm is not None else None
             k_norm_w = self.k_norm.weight if self.k_norm is not None else None
@@ -44,7 +49,7 @@ class Attention(nn.Module):
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                               self.head_dim)
             out = backend.forward(q, None, None, k_cache, v_cache, batch, self.scale)   # K/V already written
-            return self.o_proj(out.reshape(-1, self.q_size))
+            return out.reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -53,7 +58,7 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.forward(batch.positions, q, k)
         out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale)
-        return self.o_proj(out.reshape(-1, self.q_size))
+        return out.reshape(-1, self.q_size)
 
 
 class MLP(nn.Module):
@@ -78,8 +83,12 @@ class DecoderLayer(nn.Module):
         self.mlp = MLP(cfg)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.skinny: SkinnyMatmuls | None = None   # set by fast_path on CUDA: small-batch fused matmuls
 
     def forward(self, hidden, residual, batch, backend, k_cache, v_cache):
+        skinny = self.skinny
+        if skinny is not None and hidden.shape[0] <= skinny.max_rows:
+            return self._forward_skinny(skinny, hidden, residual, batch, backend, k_cache, v_cache)
         # The residual stream is carried separately so the add can fuse into the next norm.
         if residual is None:
             residual = hidden
@@ -89,6 +98,14 @@ class DecoderLayer(nn.Module):
         hidden = self.self_attn(hidden, batch, backend, k_cache, v_cache)
         hidden, residual = self.post_attention_layernorm(hidden, residual)
         return self.mlp(hidden), residual
+
+    def _forward_skinny(self, sk: SkinnyMatmuls, hidden, residual, batch, backend, k_cache, v_cache):
+        """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
+        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
+        gate_up, residual = sk.norm_linear(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return sk.silu_linear(gate_up, mlp.down_proj, mlp.silu_and_mul), residual
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,84 @@
+"""The overlap schedule: launch decode step N+1 before reading step N's tokens back (SGLang's overlap scheduler,
+vLLM's async scheduling), so the host's per-step work (scheduling, bookkeeping, detokenizing, sending) runs while
+the GPU computes instead of between GPU steps.
+
+It applies to greedy decode steps on the CUDA-graph path, the steady state of bs1 and batched decoding:
+
+    host:  launch N | resolve N-1 | launch N+1 | resolve N | launch N+2 | ...
+    GPU:        [ step N          ][ step N+1        ][ step N+2 ...
+
+A launched step's new token is not known on the host yet, so each row gets a placeholder token (PLACEHOLDER) at
+the end of `output_token_ids`: lengths, block allocation and positions stay exact, and the next launch feeds
+that row from the previous step's on-device argmax (see cuda_graphs.py, `input_src`). Resolving writes the real
+token over the placeholder and applies the stop checks one step late; a row that stopped has its extra,
+already-launched step discarded (its KV write lands in blocks that are freed after it, on the same stream).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from kestrel.engine.request import Sequence
+
+PLACEHOLDER = -1   # a token still being produced on the device
+
+
+@dataclass(slots=True)
+class InflightDecode:
+    seqs: list[Sequence]            # rows of the launched step, in row order
+    positions: list[int]            # index into each seq's output_token_ids of its placeholder
+    host_tokens: torch.Tensor       # [>= len(seqs)] int64, pinned on CUDA: the step's tokens once `done` fired
+    done: torch.cuda.Event | None   # recorded after the device-to-host copy (None on the CPU: already done)
+
+    @property
+    def rows(self) -> dict[int, int]:
+        return {seq.seq_id: i for i, seq in enumerate(self.seqs)}
+
+    def tokens(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens[: len(self.seqs)].tolist()
+
+
+class TokenReadback:
+    """Two pinned host buffers used in turn: step N+1's copy must not overwrite step N's tokens before they are
+    read (N is resolved after N+1 is launched)."""
+
+    def __init__(self, max_rows: int, device: torch.device) -> None:
+        pin = device.type == "cuda"
+        self.buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.device = device
+        self.turn = 0
+
+    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        buf = self.buffers[self.turn]
+        self.turn ^= 1
+        buf[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if self.device.type != "cuda":
+            return buf, None
+        event = torch.cuda.Event()
+        event.record()
+        return buf, event
+
+
+def steps_to_length_stop(seq: Sequence, max_model_len: int) -> int:
+    """Output tokens the sequence may still receive before max_tokens or the context ends it."""
+    left = max_model_len - seq.num_tokens
+    if seq.params.max_tokens is not None:
+        left = min(left, seq.params.max_tokens - seq.num_output_tokens)
+    return left
+
+
+def greedy_graph_eligible(seq: Sequence, eos_banned: bool) -> bool:
+    """Whether this sequence's next token is exactly the graph's argmax: greedy, no logprobs, and no stop token
+    to mask for min_tokens (`eos_banned`: the engine has tokens it would mask)."""
+    p = seq.params
+    if not p.greedy or p.logprobs is not None:
+        return False
+    return not (p.min_tokens and seq.num_output_tokens < p.min_tokens and eos_banned)
+
+
+def blocks_to_grow(seq: Sequence, block_size: int) -> int:
+    """Blocks the sequence needs before its next single-token step."""
+    return max(0, -(-seq.num_tokens // block_size) - len(seq.block_ids))

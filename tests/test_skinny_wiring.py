@@ -1,0 +1,46 @@
+"""The small-batch layer path (layers/skinny.py) wired into the model: with torch stand-ins for the fused kernels
+(the kernels themselves are held to these compositions in tests/test_gemv.py), every choice of Triton-or-cuBLAS
+per weight shape gives exactly the unfused model's logits and greedy tokens."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from kestrel import LLM, SamplingParams
+from kestrel.layers.norm import rms_norm_torch
+from kestrel.layers.skinny import SkinnyMatmuls
+from kestrel.models.llama import DecoderLayer
+
+
+def _add_rms_norm_linear(x, residual, norm_weight, eps, w, bias=None):
+    h = x if residual is None else x + residual
+    return F.linear(rms_norm_torch(h, norm_weight, eps), w, bias), h
+
+
+def _silu_mul_linear(gate_up, w, bias=None):
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.linear(F.silu(gate) * up, w, bias)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
+@pytest.mark.parametrize("choice", ["all", "none", "mixed"])
+def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
+    path = str(checkpoint_factory(arch))
+    prompts = ["def f(x):", "import os\nimport sys", "x"]
+    params = SamplingParams(max_tokens=8, temperature=0, ignore_eos=True)
+    plain = LLM(model=path, device="cpu")
+    expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
+    ref_logits = plain.engine.prompt_logits([5, 6, 7])
+    use = {"all": lambda n, k: True, "none": lambda n, k: False, "mixed": lambda n, k: n > k}[choice]
+    calls = []
+    skinny = SkinnyMatmuls(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
+                           add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use)
+    llm = LLM(model=path, device="cpu")
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, DecoderLayer):
+            module.skinny = skinny
+    got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]   # decode steps: 3 rows, skinny
+    assert got == expected
+    torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
+    assert bool(calls) == (choice == "all")   # o_proj is square-ish: only "all" sends it to gemv
