@@ -55,7 +55,9 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
 
     graphs = engine.runner.graphs
     result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
-              "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE") == "1"}
+              "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0",
+              "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
+              "overlap_schedule": True}
     if graphs is None:
         return result
     graph = graphs.graphs[1]
@@ -95,7 +97,8 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
 
 
 def print_result(r: dict) -> None:
-    print(f"\n## {r['model']} bs1 decode (fused attention prologue: {r['fused_attn_prologue']})")
+    print(f"\n## {r['model']} bs1 decode (fused attention prologue: {r['fused_attn_prologue']}, skinny matmuls: "
+          f"{r['skinny_matmul']})")
     print(f"engine.step {r['engine_step_ms']:.3f} ms ({r['tok_s']:.0f} tok/s); graph replay "
           f"{r.get('graph_replay_ms', float('nan')):.3f} ms; kernels/step {r.get('kernels_per_step', 0):.0f}, "
           f"kernel time {r.get('kernel_us_per_step', 0):.0f} us, idle gaps {r.get('gap_us_per_step', 0):.0f} us")

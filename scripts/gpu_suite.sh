@@ -18,7 +18,7 @@ step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
 nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
 
 # STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
-#   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: bs1 A/B of KESTREL_FUSED_ATTN_PROLOGUE
+#   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
 if [[ $STAGES == *" tests "* ]]; then
@@ -27,11 +27,13 @@ if [[ $STAGES == *" tests "* ]]; then
     -p no:cacheprovider >> "$LOG" 2>&1; echo "tests/gpu exit $?" | tee -a "$LOG"; tail -3 "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
-  step "bs1 decode profile (kernel table per step), fused attention prologue off then on"
+  step "skinny matmul kernels vs cuBLAS"
+  timeout 120 python3 -m benchmarks.gemv_bench --out "$OUT/gemv_bench.json" 2>> "$LOG" | tee -a "$LOG"
+  step "bs1 decode profile (kernel table per step), then the same with skinny matmuls off"
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
-  KESTREL_FUSED_ATTN_PROLOGUE=1 timeout 200 python3 -m benchmarks.profile_decode --workdir "$WORK" \
-    --out "$OUT/profile_prologue.json" --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" \
+  KESTREL_SKINNY_MATMUL=0 timeout 200 python3 -m benchmarks.profile_decode --workdir "$WORK" \
+    --out "$OUT/profile_no_skinny.json" --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" \
     | grep -E "^##|engine.step" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" bench "* ]]; then
@@ -40,8 +42,8 @@ if [[ $STAGES == *" bench "* ]]; then
     "$@" >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" prologue "* ]]; then
-  step "fused attention prologue A/B (bs1 and 128 concurrent, no HF peer)"
-  KESTREL_FUSED_ATTN_PROLOGUE=1 timeout 240 python3 -m benchmarks.engine_bench --workdir "$WORK" --skip-hf \
+  step "fused attention prologue off (bs1 and 128 concurrent, no HF peer)"
+  KESTREL_FUSED_ATTN_PROLOGUE=0 timeout 240 python3 -m benchmarks.engine_bench --workdir "$WORK" --skip-hf \
     --prefix-bench none --models ${PROLOGUE_MODELS:-qwen3-0.6b,llama-3.1-8b} --out "$OUT/bench_prologue.json" \
     >> "$LOG" 2>&1; echo "prologue bench exit $?" | tee -a "$LOG"
   python3 -m benchmarks.report "$OUT/bench_prologue.json" | grep -E "^\*\*|graphs|eager" | head -12

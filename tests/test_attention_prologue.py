@@ -178,7 +178,7 @@ def test_qwen3_with_reference_prologue_gives_the_unfused_greedy_tokens(checkpoin
 
 
 @pytest.mark.skipif(INTERPRETED, reason="runs in the normal process")
-def test_prologue_is_off_by_default_and_refused_by_backends_that_write_kv_themselves(checkpoint_factory,
+def test_prologue_is_cuda_only_and_refused_by_backends_that_write_kv_themselves(checkpoint_factory,
                                                                                      monkeypatch):
     from kestrel import LLM
     from kestrel.engine.fast_path import enable_fused_attn_prologue

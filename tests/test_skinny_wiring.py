@@ -32,7 +32,7 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     plain = LLM(model=path, device="cpu")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     ref_logits = plain.engine.prompt_logits([5, 6, 7])
-    use = {"all": lambda n, k: True, "none": lambda n, k: False, "mixed": lambda n, k: n > k}[choice]
+    use = {"all": lambda m, n, k: True, "none": lambda m, n, k: False, "mixed": lambda m, n, k: n > k}[choice]
     calls = []
     skinny = SkinnyMatmuls(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
                            add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use)

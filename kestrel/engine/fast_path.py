@@ -1,8 +1,12 @@
 """Swap the model's torch ops for fused Triton kernels on CUDA (RMSNorm + residual, rotary, SiLU-mul).
 
 The torch versions stay in place as the reference; KESTREL_DISABLE_FUSED_OPS=1 keeps them (for A/B runs).
-KESTREL_FUSED_ATTN_PROLOGUE=1 (opt-in until measured on the GPU) also replaces each layer's q/k norm, rotary and
-the backend's K/V write with one kernel (layers/attention_prologue.py), where the backend supports it.
+Each layer's q/k norm, rotary and the backend's K/V write also become one kernel (layers/attention_prologue.py)
+where the backend supports it (measured on the H200: bs1 decode step -3.7% on the Qwen3-0.6B shape, -1% on the
+Llama-3.1-8B shape); KESTREL_FUSED_ATTN_PROLOGUE=0 turns that off.
+Decode-sized batches (<= 16 rows) run each layer's matmuls through layers/skinny.py: Triton kernels that fold the
+norms and SiLU-mul in, for the weight shapes where they beat cuBLAS (`skinny_policy`); KESTREL_SKINNY_MATMUL=0
+turns that off, =all sends every shape to Triton (for A/B runs).
 """
 from __future__ import annotations
 
@@ -34,7 +38,13 @@ def enable_fused_ops(model: nn.Module, backend: AttentionBackend | None = None) 
         elif isinstance(module, MLP):
             module.silu_and_mul = fused_ops.silu_and_mul
     model.rotary.fused = fused_ops.apply_rotary
-    if backend is not None and os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE") == "1":
+    skinny = skinny_matmuls(os.environ.get("KESTREL_SKINNY_MATMUL", "auto"))
+    if skinny is not None:
+        from kestrel.models.llama import DecoderLayer
+        for module in model.modules():
+            if isinstance(module, DecoderLayer):
+                module.skinny = skinny
+    if backend is not None and os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0":
         from kestrel.layers.attention_prologue import qk_norm_rope_store
         enable_fused_attn_prologue(model, backend, qk_norm_rope_store)
     return True
@@ -54,3 +64,25 @@ def enable_fused_attn_prologue(model: nn.Module, backend: AttentionBackend, prol
             module.prologue = prologue
     logger.info("fused attention prologue on (q/k norm + rotary + K/V write in one kernel)")
     return True
+
+
+# Weights up to this size go to the Triton skinny kernels at decode batch sizes; bigger ones stay with cuBLAS,
+# which streams large weights at ~4 TB/s on the H200 (Llama-3.1-8B gate_up 235 MB: 59 us) but leaves small ones
+# at 1-3 TB/s (Qwen3-0.6B gate_up 12.6 MB: 10.9 us) — benchmarks/profile_decode.py and gemv_bench.py.
+SKINNY_MAX_WEIGHT_BYTES = 64 << 20
+
+
+def skinny_policy(rows: int, out_features: int, in_features: int, element_size: int = 2) -> bool:
+    return out_features * in_features * element_size <= SKINNY_MAX_WEIGHT_BYTES
+
+
+def skinny_matmuls(mode: str = "auto"):
+    """The SkinnyMatmuls the decoder layers use on CUDA (None: keep the plain path)."""
+    if mode == "0":
+        return None
+    from kestrel.layers import gemv
+    from kestrel.layers.skinny import SkinnyMatmuls
+
+    policy = (lambda rows, n, k: True) if mode == "all" else skinny_policy
+    return SkinnyMatmuls(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
+                         silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy)

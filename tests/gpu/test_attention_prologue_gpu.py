@@ -1,5 +1,5 @@
 """Compiled qk_norm_rope_store agrees with its torch reference on CUDA at real model shapes, eagerly, under
-CUDA-graph capture and replay, and inside the engine (KESTREL_FUSED_ATTN_PROLOGUE=1 gives the unfused tokens).
+CUDA-graph capture and replay, and inside the engine (on by default; the same tokens as KESTREL_FUSED_ATTN_PROLOGUE=0).
 
 Same contract as tests/test_attention_prologue.py (the kernel in Triton's CPU interpreter); compiled casts round
 like torch, so 16-bit results are also expected to be bit-equal to the reference almost everywhere.
@@ -97,9 +97,9 @@ def test_engine_with_fused_prologue_gives_the_unfused_greedy_tokens(checkpoint_f
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
               enable_prefill_cuda_graph=True)
-    monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)
+    monkeypatch.setenv("KESTREL_FUSED_ATTN_PROLOGUE", "0")
     plain = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    monkeypatch.setenv("KESTREL_FUSED_ATTN_PROLOGUE", "1")
+    monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)   # on by default
     llm = LLM(model=path, **kw)
     assert all(m.prologue is qk_norm_rope_store for m in llm.engine.runner.model.modules()
                if isinstance(m, Attention))
