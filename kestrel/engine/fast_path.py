@@ -66,14 +66,18 @@ def enable_fused_attn_prologue(model: nn.Module, backend: AttentionBackend, prol
     return True
 
 
-# Weights up to this size go to the Triton skinny kernels at decode batch sizes; bigger ones stay with cuBLAS,
-# which streams large weights at ~4 TB/s on the H200 (Llama-3.1-8B gate_up 235 MB: 59 us) but leaves small ones
-# at 1-3 TB/s (Qwen3-0.6B gate_up 12.6 MB: 10.9 us) — benchmarks/profile_decode.py and gemv_bench.py.
-SKINNY_MAX_WEIGHT_BYTES = 64 << 20
+# Measured on the H200 (benchmarks/gemv_bench.py, inside CUDA graphs, weights read from HBM), Triton vs cuBLAS:
+#   Qwen3-0.6B shapes, 1 row: qkv 4.2 vs 4.9 us, o 3.3 vs 12.7, gate_up 5.3 vs 5.9, down 4.5 vs 6.7 (and the
+#   norm / SiLU kernels folded in); 4 rows: only the split-K shapes (out < in: o 4.7 vs 8.3, down 6.5 vs 6.7) win.
+#   Llama-3.1-8B shapes: even at 1 row within 5% of cuBLAS (~4 TB/s), and the whole bs1 step got slower
+#   (4.49 -> 4.60 ms), so weights above SKINNY_MAX_WEIGHT_BYTES stay with cuBLAS.
+SKINNY_MAX_WEIGHT_BYTES = 16 << 20
 
 
 def skinny_policy(rows: int, out_features: int, in_features: int, element_size: int = 2) -> bool:
-    return out_features * in_features * element_size <= SKINNY_MAX_WEIGHT_BYTES
+    if out_features * in_features * element_size > SKINNY_MAX_WEIGHT_BYTES:
+        return False
+    return rows <= 2 or (rows <= 4 and out_features < in_features)
 
 
 def skinny_matmuls(mode: str = "auto"):

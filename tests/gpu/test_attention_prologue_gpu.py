@@ -46,7 +46,7 @@ def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("shape", list(SHAPES))
-@pytest.mark.parametrize("tokens,block_size", [(1, 16), (64, 16), (1500, 16), (300, 2)])
+@pytest.mark.parametrize("tokens,block_size", [(1, 16), (64, 16), (700, 16), (300, 2)])
 def test_kernel_matches_reference(dtype, shape, tokens, block_size):
     from kestrel.layers.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots, heads = _cuda_inputs(tokens, shape, block_size, dtype,
