@@ -127,16 +127,24 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
                                                    "c128": throughput()}
     from kestrel.attention.select import available_backends, select_backend
     main_backend = runner.backend
+    from kestrel.models.llama import Attention
+    attention = [m for m in runner.model.modules() if isinstance(m, Attention)]
+    prologues = [m.prologue for m in attention]
     for name in available_backends(runner.device):
         if name == main_backend.name:
             continue
         try:
             runner.backend = select_backend(name, runner.device)
+            if not runner.backend.supports_prewritten_kv():   # it writes K/V itself: no fused prologue
+                for m in attention:
+                    m.prologue = None
             # One prompt, 64 tokens: enough for a per-token rate at the slow backends' speed.
             variants[f"{name} eager"] = {"bs1": single_stream(engine, prompts[:1], 64)}
         except Exception as exc:  # an optional backend failing must not lose the other numbers
             variants[f"{name} eager"] = {"error": repr(exc)[:300]}
     runner.backend = main_backend
+    for m, prologue in zip(attention, prologues):
+        m.prologue = prologue
     runner.graphs, runner.prefill_graphs = graphs, prefill_graphs
     results["kestrel"] = variants
     del engine, runner, graphs, prefill_graphs, main_backend
@@ -208,7 +216,11 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--prefix-bench", default="qwen3-0.6b", help="models (dir names) that also run the "
                     "shared-prefix workload")
+    ap.add_argument("--in-process", action="store_true", help="bench every model in this process (default: one "
+                    "child process per model, so no model's memory is left over for the next)")
     args = ap.parse_args()
+    if not args.in_process and "," in args.models:
+        return bench_each_model_in_a_child(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-"))
     bw = copy_bandwidth_bytes_per_s()
@@ -235,6 +247,31 @@ def main() -> int:
         Path(args.out).write_text(json.dumps(report, indent=1))
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
+    return 0
+
+
+def bench_each_model_in_a_child(args) -> int:
+    """Run this script once per model (--in-process) and merge the JSON reports in model order."""
+    import subprocess
+    merged: dict = {}
+    workdir = args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-")
+    for name in args.models.split(","):
+        out = Path(args.out).with_suffix(f".{name}.json")
+        cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--models", name, "--out", str(out),
+               "--workdir", workdir, "--output-len", str(args.output_len), "--concurrency", str(args.concurrency),
+               "--hf-tokens", str(args.hf_tokens), "--prefix-bench", args.prefix_bench]
+        if args.skip_hf:
+            cmd.append("--skip-hf")
+        subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+        try:
+            part = json.loads(out.read_text())
+        except (OSError, ValueError) as exc:
+            part = {"models": {name: {"error": f"benchmark process wrote no report: {exc}"}}}
+        models = merged.setdefault("models", {})
+        merged.update({k: v for k, v in part.items() if k != "models"})
+        models.update(part.get("models", {}))
+        Path(args.out).write_text(json.dumps(merged, indent=1))
+    print(json.dumps(merged, indent=1))
     return 0
 
 

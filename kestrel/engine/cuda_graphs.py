@@ -76,9 +76,13 @@ class CudaGraphRunner:
         self.layout.update({"upd_rows": (7 * b, u), "upd_cols": (7 * b + u, u), "upd_vals": (7 * b + 2 * u, u)})
         size = 7 * b + 3 * u
         self.host_start = b   # the host's part of the buffer starts after prev_tokens
-        self.host = torch.zeros(size, dtype=torch.int64)
-        if device.type == "cuda":
-            self.host = self.host.pin_memory()   # so the one host-to-device copy per step is truly async
+        # Two pinned host buffers used in turn: the copy out of one may still be queued behind the GPU's current
+        # step when the host fills the next step's inputs (the overlap schedule). Launch k uses buffer k % 2; at most
+        # one launch is ever unread, so when launch k + 2 comes, step k has been read back and its copy is done.
+        pin = device.type == "cuda"   # pinned: the one host-to-device copy per step is truly async
+        self.host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._turn = 0
+        self.host = self.host_buffers[0]
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(0, max_bs + 1, dtype=torch.int64, device=device)
@@ -90,7 +94,9 @@ class CudaGraphRunner:
         self.memory_bytes = 0
         self.row_of: dict[int, _RowState] = {}
         self.free_rows = list(range(max_rows - 1, -1, -1))
-        self._fill_padding(0, max_bs, 0)
+        for _ in self.host_buffers:
+            self._fill_padding(0, max_bs, 0)
+            self._next_host_buffer()
 
     # ---- the step, as the graph sees it -----------------------------------------------------------------
     def _view(self, name: str, n: int | None = None) -> torch.Tensor:
@@ -136,6 +142,11 @@ class CudaGraphRunner:
     # ---- host side ---------------------------------------------------------------------------------------
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_bs
+
+    def _next_host_buffer(self) -> None:
+        self._turn ^= 1
+        self.host = self.host_buffers[self._turn]
+        self.host_np = self.host.numpy()
 
     def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
         h, L = self.host_np, self.layout
@@ -185,6 +196,7 @@ class CudaGraphRunner:
         engine/overlap.py) takes its input from row prev_rows[seq_id] of the previous launch's tokens."""
         bs = len(seqs)
         bucket = next(b for b in self.buckets if b >= bs)
+        self._next_host_buffer()
         h, L, block_size = self.host_np, self.layout, self.runner.block_size
         updates: list[tuple[int, int, int]] = []
         srcs, positions, slots, rows = [], [], [], []
