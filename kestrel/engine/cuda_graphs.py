@@ -76,11 +76,13 @@ class CudaGraphRunner:
         self.layout.update({"upd_rows": (7 * b, u), "upd_cols": (7 * b + u, u), "upd_vals": (7 * b + 2 * u, u)})
         size = 7 * b + 3 * u
         self.host_start = b   # the host's part of the buffer starts after prev_tokens
-        # Two pinned host buffers used in turn: the copy out of one may still be queued behind the GPU's current
-        # step when the host fills the next step's inputs (the overlap schedule). Launch k uses buffer k % 2; at most
-        # one launch is ever unread, so when launch k + 2 comes, step k has been read back and its copy is done.
-        pin = device.type == "cuda"   # pinned: the one host-to-device copy per step is truly async
+        # Two pinned input buffers and two token buffers, used in turn: the input copy out of one may still be
+        # queued behind the GPU's current step when the host fills the next step's inputs, and step k's tokens are
+        # read after step k + 1 is launched (the overlap schedule). Launch k uses pair k % 2; at most one launch is
+        # ever unread, so when launch k + 2 comes, step k has been read back and both its copies are done.
+        pin = device.type == "cuda"   # pinned: the copies are truly async
         self.host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.token_buffers = [torch.zeros(max_bs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self.host = self.host_buffers[0]
         self.host_np = self.host.numpy()
@@ -247,6 +249,17 @@ class CudaGraphRunner:
         else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
             logits, tokens = self._graph_body(bucket)
         return logits[:bs], tokens[:bs]
+
+    def read_back_async(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+        """Queue the copy of the last launch's tokens into this turn's pinned buffer: (host buffer, event recorded
+        after the copy; None on the CPU, where the copy is already done)."""
+        buf = self.token_buffers[self._turn]
+        buf[: tokens.shape[0]].copy_(tokens, non_blocking=True)
+        if tokens.device.type != "cuda":
+            return buf, None
+        done = torch.cuda.Event()
+        done.record()
+        return buf, done
 
 
 def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: Progress) -> None:

@@ -16,8 +16,8 @@ from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
 from kestrel.engine.batch import build_forward_batch
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
-from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, TokenReadback, blocks_to_grow,
-                                    greedy_graph_eligible, steps_to_length_stop)
+from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, greedy_graph_eligible,
+                                    steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
@@ -55,7 +55,6 @@ class Engine:
         self._evictable, self._evictable_at = 0, float("-inf")   # stats(): cached radix-tree count
         # The overlap schedule (engine/overlap.py): at most one decode step launched and not yet read back.
         self._inflight: InflightDecode | None = None
-        self._readback: TokenReadback | None = None   # made at the first overlapped launch
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -108,29 +107,29 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
-        if self._inflight is not None and not self._can_continue_overlap(self._inflight):
+        continuing = self._inflight is not None and self._can_continue_overlap(self._inflight)
+        if self._inflight is not None and not continuing:
             updates += self._resolve_inflight()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates + self._resolve_inflight()
         graphs = self.runner.graphs
-        if graphs is not None and plan.num_tokens == len(plan.scheduled) and graphs.can_run(len(plan.scheduled)) \
-                and all(s.completes_prompt for s in plan.scheduled):
-            if self._overlap_enabled() and all(self._greedy_ok(s.seq) for s in plan.scheduled):
-                return updates + self._launch_overlapped(plan.scheduled)
-            updates += self._resolve_inflight()   # (not reached when _can_continue_overlap said yes)
-            plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
-            if not plan.scheduled:
-                return updates
-            # Pure decode step: one graph replay; the graph also computed each row's argmax.
-            out = graphs.run([s.seq for s in plan.scheduled])
-            self._mark_computed(plan.scheduled)
-            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
-        if self._inflight is not None:   # defensive: the placeholders must be real tokens before an eager batch
+        pure_decode = graphs is not None and plan.num_tokens == len(plan.scheduled) \
+            and graphs.can_run(len(plan.scheduled)) and all(s.completes_prompt for s in plan.scheduled)
+        # continuing: _can_continue_overlap already checked these rows are greedy-eligible
+        if pure_decode and self._overlap_enabled() \
+                and (continuing or all(self._greedy_ok(s.seq) for s in plan.scheduled)):
+            return updates + self._launch_overlapped(plan.scheduled)
+        if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
             updates += self._resolve_inflight()
             plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
             if not plan.scheduled:
                 return updates
+        if pure_decode:
+            # Pure decode step: one graph replay; the graph also computed each row's argmax.
+            out = graphs.run([s.seq for s in plan.scheduled])
+            self._mark_computed(plan.scheduled)
+            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
         prefill_graphs = self.runner.prefill_graphs
         if prefill_graphs is not None and len(plan.scheduled) == 1 \
                 and prefill_graphs.can_run(plan.num_tokens, plan.scheduled[0].start):
@@ -186,9 +185,7 @@ class Engine:
         previous = self._inflight
         graphs = self.runner.graphs
         _, tokens = graphs.launch(seqs, previous.rows if previous is not None else None)
-        if self._readback is None:
-            self._readback = TokenReadback(graphs.max_bs, self.device)
-        host_tokens, done = self._readback.start(tokens)
+        host_tokens, done = graphs.read_back_async(tokens)
         self._mark_computed(rows)
         positions = []
         for seq in seqs:

@@ -41,27 +41,6 @@ class InflightDecode:
         return self.host_tokens[: len(self.seqs)].tolist()
 
 
-class TokenReadback:
-    """Two pinned host buffers used in turn: step N+1's copy must not overwrite step N's tokens before they are
-    read (N is resolved after N+1 is launched)."""
-
-    def __init__(self, max_rows: int, device: torch.device) -> None:
-        pin = device.type == "cuda"
-        self.buffers = [torch.zeros(max_rows, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.device = device
-        self.turn = 0
-
-    def start(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
-        buf = self.buffers[self.turn]
-        self.turn ^= 1
-        buf[: tokens.shape[0]].copy_(tokens, non_blocking=True)
-        if self.device.type != "cuda":
-            return buf, None
-        event = torch.cuda.Event()
-        event.record()
-        return buf, event
-
-
 def steps_to_length_stop(seq: Sequence, max_model_len: int) -> int:
     """Output tokens the sequence may still receive before max_tokens or the context ends it."""
     left = max_model_len - seq.num_tokens

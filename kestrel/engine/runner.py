@@ -44,6 +44,10 @@ class ModelRunner:
                                     cfg.head_dim, dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+        self.kv_caches = []
+
     @torch.inference_mode()
     def forward(self, batch: ForwardBatch) -> ForwardOutput:
         """Run one step; `batch` may live on the CPU (it is moved) or already on the device."""

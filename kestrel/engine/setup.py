@@ -166,8 +166,7 @@ def profile_activation_peak(runner: ModelRunner, config: EngineConfig) -> int:
     runner.forward_eager(batch.to(runner.device))
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device)
-    runner.kv_cache = None
-    runner.kv_caches = []
+    runner.free_kv_cache()
     torch.cuda.empty_cache()
     return peak
 
@@ -182,7 +181,7 @@ def compile_backend_kernels(runner: ModelRunner, block_size: int) -> None:
         if runner.device.type == "cuda":
             torch.cuda.synchronize(runner.device)
     finally:
-        runner.kv_cache, runner.kv_caches = None, []
+        runner.free_kv_cache()
 
 
 def warm_up(runner: ModelRunner, block_size: int) -> None:

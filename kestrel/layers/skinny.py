@@ -50,6 +50,7 @@ class SkinnyMatmuls:
                     ) -> torch.Tensor:
         if self._triton(gate_up, linear):
             return self.silu_mul_gemv(gate_up, linear.weight, linear.bias)
+        if silu_and_mul is not None:
+            return linear(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        act = silu_and_mul(gate_up) if silu_and_mul is not None else nn.functional.silu(gate) * up
-        return linear(act)
+        return linear(nn.functional.silu(gate) * up)
