@@ -100,13 +100,38 @@ def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, table = random_paged_cache([70, 70], 2, 64, 4, torch.float32, gen)
     q = torch.randn(2, 8, 64, generator=gen)
-    partials = triton_kernels.alloc_decode_partials(4, 8, 64, q.device)   # sized for a larger max batch
+    partials = triton_kernels.alloc_decode_partials(4, 8, 2, 64, q.device)   # sized for a larger max batch
     lens = torch.zeros(2, dtype=torch.int32)
     for new_lens in ([70, 3], [16, 64], [1, 33]):
         lens.copy_(torch.tensor(new_lens))         # same tensors, same shapes, new contents
         out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 4, partials)
         ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1, 1]), lens, 1, 70, 0.125)
         torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
+
+
+@interpreted_only
+@pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float16), (8, torch.bfloat16)])
+def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(group, dtype):
+    from kestrel.attention import torch_ref, triton_kernels
+    gen = torch.Generator().manual_seed(8 + group)
+    num_kv_heads, head_dim = 2, 64
+    k_cache, v_cache, table = random_paged_cache([100] * 5, num_kv_heads, head_dim, 4, dtype, gen)
+    q = torch.zeros(5, num_kv_heads * group, head_dim, dtype=dtype)
+    lens = torch.zeros(5, dtype=torch.int32)
+    partials = triton_kernels.alloc_decode_partials(8, num_kv_heads * group, num_kv_heads, head_dim, q.device)
+    # With 4 splits and the interpreter's 16-token tiles, a context of n tokens uses cdiv(n, per_split) splits:
+    # 0 -> none (padded row), 1..16 -> 1, 17 -> 2, 33 / 40 / 65 -> 3, 64 / 100 -> 4 (all).
+    for new_lens in ([100, 0, 16, 40, 1], [0, 65, 17, 0, 33], [64, 100, 0, 9, 40], [0, 0, 0, 0, 0]):
+        lens.copy_(torch.tensor(new_lens))         # same tensors and scratch every call, like a graph replay
+        q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
+        out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, 4, partials)
+        ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1] * 5), lens, 1, 100,
+                                        head_dim ** -0.5)
+        torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
+        for row, n in enumerate(new_lens):
+            if n == 0:
+                assert torch.equal(out[row], torch.zeros_like(out[row]))
+        assert torch.count_nonzero(partials[2]) == 0, f"counters left at {partials[2].tolist()}"
 
 
 @interpreted_only

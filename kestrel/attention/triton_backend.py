@@ -12,16 +12,17 @@ class TritonAttentionBackend(AttentionBackend):
     """Decode steps (one query per sequence) use split-K flash-decoding; anything else the extend kernel.
 
     Under CUDA graphs the decode kernel must see the same scratch buffers on every replay, so the backend keeps
-    one set of split-K partials sized for the largest captured batch and shared by all layers (they run one
-    after another). Their head count and head_dim are only known at the first decode forward, so the runner must
-    run one eager decode step (its usual warm-up) after init_graph_buffers and before capturing.
+    one set of split-K partials and split counters sized for the largest captured batch and shared by all layers
+    (they run one after another, and each launch leaves the counters at zero for the next). Their head counts and
+    head_dim are only known at the first decode forward, so the runner must run one eager decode step (its usual
+    warm-up) after init_graph_buffers and before capturing.
     """
 
     name = "triton"
 
     def __init__(self) -> None:
         self._max_batch_size = 0
-        self._partials: tuple[torch.Tensor, torch.Tensor] | None = None
+        self._partials: triton_kernels.DecodeScratch | None = None
 
     def supports_graphs(self) -> bool:
         return True
@@ -39,17 +40,18 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
-                                                   partials=self._decode_partials(q))
+                                                   partials=self._decode_partials(q, k_cache.shape[2]))
         return triton_kernels.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale)
 
-    def _decode_partials(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def _decode_partials(self, q: torch.Tensor, num_kv_heads: int) -> triton_kernels.DecodeScratch | None:
         if self._max_batch_size == 0:
             return None   # no graphs: decode_attention allocates scratch per call
         num_seqs, num_heads, head_dim = q.shape
-        partial_out = self._partials[0] if self._partials is not None else None
-        if (partial_out is None or partial_out.shape[0] < num_seqs or partial_out.device != q.device
-                or partial_out.shape[1] != num_heads or partial_out.shape[3] != head_dim):
+        scratch = self._partials
+        if (scratch is None or scratch[0].shape[0] < num_seqs or scratch[0].device != q.device
+                or scratch[0].shape[1] != num_heads or scratch[0].shape[3] != head_dim
+                or scratch[2].shape[1] != num_kv_heads):
             rows = max(self._max_batch_size, num_seqs)
-            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, head_dim, q.device)
+            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, q.device)
         return self._partials

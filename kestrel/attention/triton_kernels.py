@@ -1,4 +1,4 @@
-"""Triton kernels for paged attention: KV store, split-K decode, and ragged extend (prefill / verify).
+"""Triton kernels for paged attention: KV store, split-K decode (one launch), and ragged extend (prefill / verify).
 
 Cache layout (base.py draws it): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
 token p of sequence s lives at block_table[s, p // block_size], offset p % block_size.
@@ -17,7 +17,7 @@ import triton.language as tl
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
-MIN_TOKENS_PER_SPLIT = 256    # below this a split costs more in the reduce than it saves
+MIN_TOKENS_PER_SPLIT = 256    # below this a split costs more in the merge than it saves
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -114,28 +114,59 @@ def _attend_tile(
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# decode: flash-decoding with split-K
+# decode: flash-decoding with split-K, merged in the same launch
 # ---------------------------------------------------------------------------------------------------------------
 #
-# Stage 1, one program per (sequence, kv head, split): the query heads sharing that kv head ([BLOCK_H, D], padded
-# to 16 rows so tl.dot can use tensor cores) attend to the split's slice of the context and write a normalised
-# partial output and its log2-sum-exp:
-#     partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
-# The slice of split j is [j * per_split, (j + 1) * per_split) clipped to kv_len, with per_split computed on the
-# device from kv_len, so the grid depends only on shapes (CUDA-graph safe) and splits past the end do nothing.
-# Stage 2, one program per (sequence, query head): merge the non-empty splits, which always form a prefix.
+# One launch, one program per (sequence, kv head, split). The query heads sharing that kv head ([BLOCK_H, D],
+# padded to 16 rows so tl.dot can use tensor cores) attend to the split's slice of the context. The slice of split
+# j is [j * per_split, (j + 1) * per_split) clipped to kv_len, with per_split computed on the device from kv_len,
+# so the grid depends only on shapes (CUDA-graph safe) and splits past the end do nothing; the used splits always
+# form a prefix of used_splits = cdiv(kv_len, per_split).
+#   used_splits == 1: the lone program writes the final output directly.
+#   used_splits  > 1: each program writes a normalised partial output and its log2-sum-exp into scratch
+#         partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
+#     then bumps counters[s, kv_head] (int32) with an acq_rel atomic; the program that sees used_splits - 1 is
+#     the last, merges every other split's partial into its own (still in registers), writes the output and
+#     resets the counter to 0, so the scratch is ready for the next layer or graph replay.
+#   kv_len == 0 (a padded row): split 0 writes zeros; no partials, no atomics.
+# No program ever waits on another (the last one to finish does the merge), so there is no forward-progress
+# hazard however the programs are scheduled; under the interpreter programs run in order and the last used split
+# merges. Memory ordering: Triton issues a scalar atomic from one thread, so a barrier first puts all of the
+# program's partial stores before its release; the merging program's acquire (then Triton's broadcast barrier)
+# puts its loads after every other program's release. Those loads also go through L2 only (.cg): other SMs wrote
+# the lines during this launch and they are read once, so skipping L1 costs nothing and does not lean on the
+# acquire invalidating L1 for the threads that did not issue it.
 
 @triton.jit
-def _decode_split_kernel(
-    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, part_out_ptr, part_lse_ptr,
+def _merge_split(part_out_ptr, part_lse_ptr, split, stride_po_split, row_mask, dims, dim_mask, m, total, acc):
+    """Fold one split's partial into (m, total, acc); the pointers already point at the sequence's heads.
+
+    (m, total, acc) is an unnormalised online-softmax state in log2 units: acc / total is the output so far.
+    The loads bypass L1 (.cg): other SMs wrote these lines during this launch (memory ordering note above).
+    """
+    lse = tl.load(part_lse_ptr + split, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
+    part = tl.load(part_out_ptr + split * stride_po_split + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :],
+                   other=0.0, cache_modifier=".cg")
+    m_new = tl.maximum(m, lse)
+    alpha = tl.exp2(m - m_new)
+    weight = tl.exp2(lse - m_new)
+    return m_new, total * alpha + weight, acc * alpha[:, None] + weight[:, None] * part
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
+    counter_ptr,
     scale_log2,
     num_splits,
     stride_qs, stride_qh,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
     stride_bt,
+    stride_os, stride_oh,
     stride_po_s, stride_po_h, stride_po_split,
     stride_pl_s, stride_pl_h,
+    stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr,
@@ -146,16 +177,18 @@ def _decode_split_kernel(
 
     kv_len = tl.load(kv_lens_ptr + seq)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    used_splits = tl.cdiv(kv_len, per_split)   # 0 when kv_len == 0
     start = split * per_split
     end = tl.minimum(start + per_split, kv_len)
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
     if start < end:
-        rows = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + rows
-        row_mask = rows < GROUP
-        dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < HEAD_DIM
-        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
-                    mask=row_mask[:, None] & dim_mask[None, :], other=0.0)
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
         row_pos = tl.zeros([BLOCK_H], tl.int32) + (kv_len - 1)   # the single query sees the whole context
@@ -181,56 +214,37 @@ def _decode_split_kernel(
                                              dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
                                              DOT_PRECISION)
 
-        out_mask = row_mask[:, None] & dim_mask[None, :]
-        tl.store(part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h + split * stride_po_split
-                 + dims[None, :], acc / l_i[:, None], mask=out_mask)
-        tl.store(part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h + split, m_i + tl.log2(l_i),
-                 mask=row_mask)
-
-
-@triton.jit
-def _merge_split(part_out_ptr, part_lse_ptr, split, stride_po_split, dims, dim_mask, m, total, acc):
-    lse = tl.load(part_lse_ptr + split)
-    part = tl.load(part_out_ptr + split * stride_po_split + dims, mask=dim_mask, other=0.0)
-    m_new = tl.maximum(m, lse)
-    alpha = tl.exp2(m - m_new)
-    weight = tl.exp2(lse - m_new)
-    return m_new, total * alpha + weight, acc * alpha + weight * part
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, kv_lens_ptr, out_ptr,
-    num_splits,
-    stride_po_s, stride_po_h, stride_po_split,
-    stride_pl_s, stride_pl_h,
-    stride_os, stride_oh,
-    HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_N: tl.constexpr, INTERPRET: tl.constexpr,
-):
-    seq = tl.program_id(0)
-    head = tl.program_id(1)
-    kv_len = tl.load(kv_lens_ptr + seq)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    used_splits = tl.cdiv(kv_len, per_split)   # 0 when kv_len == 0 (a padded row): its output is 0
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    out_base = part_out_ptr + seq * stride_po_s + head * stride_po_h
-    lse_base = part_lse_ptr + seq * stride_pl_s + head * stride_pl_h
-
-    # [BLOCK_D]-wide running max and sum keep every loop-carried value a tensor of one shape.
-    m = tl.full([BLOCK_D], float("-inf"), tl.float32)
-    total = tl.zeros([BLOCK_D], tl.float32)
-    acc = tl.zeros([BLOCK_D], tl.float32)
-    if INTERPRET:
-        split = 0
-        while split < used_splits:
-            m, total, acc = _merge_split(out_base, lse_base, split, stride_po_split, dims, dim_mask, m, total, acc)
-            split += 1
-    else:
-        for split in range(0, used_splits):
-            m, total, acc = _merge_split(out_base, lse_base, split, stride_po_split, dims, dim_mask, m, total, acc)
-    out = tl.where(total > 0, acc / tl.maximum(total, 1e-30), 0.0)
-    tl.store(out_ptr + seq * stride_os + head * stride_oh + dims, out.to(out_ptr.dtype.element_ty), mask=dim_mask)
+        if used_splits == 1:   # the whole context in one program: no partials, no atomics
+            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        else:
+            po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
+            pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
+            tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
+            tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
+            # Every thread's partial stores must precede the (single-thread) release atomic below.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * stride_cnt_s + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
+            if done == used_splits - 1:   # the last used split to finish merges the others into its own
+                m, total = m_i, l_i
+                if INTERPRET:
+                    other = 0
+                    while other < used_splits:
+                        if other != split:
+                            m, total, acc = _merge_split(po_base, pl_base, other, stride_po_split, row_mask,
+                                                         dims, dim_mask, m, total, acc)
+                        other += 1
+                else:
+                    for other in range(0, used_splits):
+                        if other != split:
+                            m, total, acc = _merge_split(po_base, pl_base, other, stride_po_split, row_mask,
+                                                         dims, dim_mask, m, total, acc)
+                tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+                # Every split has counted, so nothing else touches the counter in this launch; the next launch
+                # is stream-ordered after this one.
+                tl.store(counter, 0)
+    elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
+        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 @functools.lru_cache(maxsize=None)
@@ -251,12 +265,18 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     return max(1, min(for_occupancy, for_length, MAX_DECODE_SPLITS))
 
 
-def alloc_decode_partials(max_seqs: int, num_heads: int, head_dim: int,
-                          device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Scratch for decode stage 1: ([max_seqs, Hq, MAX_SPLITS, D], [max_seqs, Hq, MAX_SPLITS]) fp32."""
+DecodeScratch = tuple[torch.Tensor, torch.Tensor, torch.Tensor]   # (partial_out, partial_lse, counters)
+
+
+def alloc_decode_partials(max_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                          device: torch.device) -> DecodeScratch:
+    """Scratch for decode: partial_out [max_seqs, Hq, MAX_SPLITS, D] and partial_lse [max_seqs, Hq, MAX_SPLITS]
+    fp32, and the split counters [max_seqs, Hkv] int32, which start at zero and every decode launch leaves at zero.
+    """
     out = torch.empty(max_seqs, num_heads, MAX_DECODE_SPLITS, head_dim, dtype=torch.float32, device=device)
     lse = torch.empty(max_seqs, num_heads, MAX_DECODE_SPLITS, dtype=torch.float32, device=device)
-    return out, lse
+    counters = torch.zeros(max_seqs, num_kv_heads, dtype=torch.int32, device=device)
+    return out, lse, counters
 
 
 def decode_attention(
@@ -267,11 +287,13 @@ def decode_attention(
     kv_lens: torch.Tensor,       # [S] int32, on the device; 0 for padded rows (their output is 0)
     scale: float,
     num_splits: int | None = None,
-    partials: tuple[torch.Tensor, torch.Tensor] | None = None,
+    partials: DecodeScratch | None = None,
 ) -> torch.Tensor:
-    """Attention of each sequence's single query over its whole cached context; no host sync anywhere.
+    """Attention of each sequence's single query over its whole cached context; one launch, no host sync.
 
-    partials: scratch from alloc_decode_partials with at least S rows (pass static ones under CUDA graphs).
+    partials: scratch from alloc_decode_partials with at least S rows (pass static ones under CUDA graphs). Launches
+    sharing it must be stream-ordered (the layers of a step are), since each one uses and then re-zeroes the
+    counters.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -285,34 +307,29 @@ def decode_attention(
         num_splits = default_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, q.device)
     assert 1 <= num_splits <= MAX_DECODE_SPLITS, f"num_splits {num_splits} not in [1, {MAX_DECODE_SPLITS}]"
     if partials is None:
-        partials = alloc_decode_partials(num_seqs, num_heads, head_dim, q.device)
-    part_out, part_lse = partials
+        partials = alloc_decode_partials(num_seqs, num_heads, num_kv_heads, head_dim, q.device)
+    part_out, part_lse, counters = partials
     assert part_out.shape[0] >= num_seqs and part_out.shape[1:] == (num_heads, MAX_DECODE_SPLITS, head_dim)
+    assert counters.dtype == torch.int32 and counters.shape[0] >= num_seqs and counters.shape[1] == num_kv_heads \
+        and counters.stride(1) == 1, f"counters {tuple(counters.shape)} {counters.dtype} do not fit"
 
     group = num_heads // num_kv_heads
     tiles = _decode_tiles(q)
-    _decode_split_kernel[(num_seqs, num_kv_heads, num_splits)](
-        q, k_cache, v_cache, block_table, kv_lens, part_out, part_lse,
+    _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
+        q, k_cache, v_cache, block_table, kv_lens, out, part_out, part_lse, counters,
         scale * LOG2E, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
+        out.stride(0), out.stride(1),
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
+        counters.stride(0),
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"], BLOCK_SIZE=block_size,
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-    )
-    _decode_reduce_kernel[(num_seqs, num_heads)](
-        part_out, part_lse, kv_lens, out,
-        num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        HEAD_DIM=head_dim, BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
-        INTERPRET=_interpreted(),
     )
     return out
 

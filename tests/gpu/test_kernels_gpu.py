@@ -81,7 +81,7 @@ def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
     table = torch.zeros(num_seqs, 128, dtype=torch.int32, device="cuda")        # capacity 2048 tokens
     lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
     q = torch.zeros(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    partials = triton_kernels.alloc_decode_partials(num_seqs, heads, head_dim, q.device)
+    partials = triton_kernels.alloc_decode_partials(num_seqs, heads, kv_heads, head_dim, q.device)
     triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)   # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
@@ -99,6 +99,7 @@ def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
                                         2048, 0.088)
         torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[torch.bfloat16])
         assert torch.equal(out[step], torch.zeros_like(out[step]))
+        assert torch.count_nonzero(partials[2]) == 0   # the split counters are back at zero for the next replay
 
 
 # ------------------------------------------------------------------------------------------------ backends
