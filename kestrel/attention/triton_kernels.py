@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.layers.pdl import launch_options, pdl_wait
+
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
 MIN_TOKENS_PER_SPLIT = 256    # below this a split costs more in the merge than it saves
@@ -169,11 +171,12 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
+    pdl_wait(USE_PDL)   # q, this step's K/V and the counters come from earlier kernels
 
     kv_len = tl.load(kv_lens_ptr + seq)
     per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
@@ -329,7 +332,7 @@ def decode_attention(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"], BLOCK_SIZE=block_size,
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **launch_options(q.device),
     )
     return out
 

@@ -27,8 +27,8 @@ in place inside qkv: the bytes moved are the same either way, the GEMM output st
 reference is a pure function) and the attention kernels read a dense q.
 
 Numerics follow the references in fused_ops.py (HF's roundings): the norm rounds x * rstd to the model dtype,
-then the weight product; rotary casts cos/sin to the model dtype and rounds each product. No host syncs: the
-wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
+then the weight product; rotary casts cos/sin to the model dtype and rounds each product. Launched with PDL on Hopper
+(kestrel/layers/pdl.py). No host syncs: the wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -38,6 +38,7 @@ import triton.language as tl
 
 from kestrel.attention import torch_ref
 from kestrel.layers.fused_ops import apply_rotary_ref, rms_norm_ref
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
@@ -92,7 +93,9 @@ def _qk_norm_rope_store_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_wait(USE_PDL)
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
@@ -162,6 +165,6 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
-        num_warps=1 if head_dim <= 128 else 2,
+        num_warps=1 if head_dim <= 128 else 2, **launch_options(qkv.device),
     )
     return q

@@ -6,13 +6,16 @@ dtype, so the kernels can be held to them closely:
   - the residual stream is added in the model dtype (residual + hidden_states)
   - SiLU-and-mul rounds silu(gate) to the model dtype before multiplying by up
   - rotary ("rotate_half", NeoX style) casts cos/sin to the model dtype and rounds each product
-Kernels need CUDA tensors, or Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) for CPU ones.
+The decode-path kernels (RMSNorm, SiLU-and-mul) launch with PDL on Hopper (kestrel/layers/pdl.py). Kernels need
+CUDA tensors, or Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) for CPU ones.
 """
 from __future__ import annotations
 
 import torch
 import triton
 import triton.language as tl
+
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 # ---------------------------------------------------------------------------------------------------------------
 # RMSNorm, optionally fused with the residual add
@@ -34,11 +37,13 @@ def _rms_norm_kernel(
     x_ptr, residual_ptr, weight_ptr, out_ptr, residual_out_ptr,
     stride_x, stride_r, stride_o, stride_ro,
     eps,
-    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr,
+    N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
+    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)   # a weight: readable before the wait
+    pdl_wait(USE_PDL)
     x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0)
     in_dtype = x.dtype
     if HAS_RESIDUAL:
@@ -49,7 +54,6 @@ def _rms_norm_kernel(
     xf = x.to(tl.float32)
     rstd = tl.rsqrt(tl.sum(xf * xf, 0) / N + eps)
     normed = (xf * rstd).to(in_dtype).to(tl.float32)
-    w = tl.load(weight_ptr + cols, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + row * stride_o + cols, (w * normed).to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -75,7 +79,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.
             rows.stride(0), res.stride(0), out.stride(0), res_out.stride(0),
             eps,
             N=hidden, BLOCK=block, HAS_RESIDUAL=residual is not None,
-            num_warps=min(max(block // 256, 1), 16),
+            num_warps=min(max(block // 256, 1), 16), **launch_options(x.device),
         )
     out = out.view(x.shape)
     return out if residual is None else (out, res_out.view(x.shape))
@@ -93,7 +97,9 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 
 
 @triton.jit
-def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr):
+def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr,
+                         USE_PDL: tl.constexpr):
+    pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = cols < I
@@ -115,7 +121,8 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     if rows.shape[0] > 0:
         block = min(triton.next_power_of_2(inter), 1024)
         _silu_and_mul_kernel[(rows.shape[0], triton.cdiv(inter, block))](
-            rows, out, rows.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4)
+            rows, out, rows.stride(0), out.stride(0), I=inter, BLOCK=block, num_warps=4,
+            **launch_options(x.device))
     return out.view(*x.shape[:-1], inter)
 
 

@@ -30,6 +30,9 @@ Prologues, with the numerics of kestrel/layers/fused_ops.py (each `*_ref` below 
 The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one rounding to the model dtype. The
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
 
+On Hopper the kernel is launched with PDL (kestrel/layers/pdl.py): each program reads its first weight tile, then
+waits for the kernel before it, so the weight stream starts while that kernel finishes.
+
 Launches are CUDA-graph capturable: no host syncs, no autotuning at call time (a fixed heuristic table keyed on
 (M, N, K) picks the config; `config=` overrides it for benchmarking), only the outputs are allocated. M <= 16 is
 asserted: larger batches belong to cuBLAS.
@@ -42,6 +45,8 @@ import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
+
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 MAX_M = 16                  # rows this kernel serves; callers use cuBLAS above it
 DOT_BLOCK_M = 16            # tl.dot needs every dim >= 16: x rows are padded to this by masked loads
@@ -181,24 +186,33 @@ def _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm, stride_
 
 
 @triton.jit
-def _dot_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm, stride_wn,
-              K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-              BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
-              DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BLOCK_N * FOLD, FOLD * BLOCK_M] += w' @ a'.T over K chunk k0 .. k0 + BLOCK_K, K folded FOLD ways.
-
-    Row r = n * FOLD + h of w' holds w[n0 + n, k0 + h * KF : k0 + (h + 1) * KF] (KF = BLOCK_K / FOLD), and row
-    c = g * BLOCK_M + m of a' holds the same slice g of x row m, so the blocks with h == g are the partial sums
-    wanted (see _unfold). Memory traffic is that of a [BLOCK_N, BLOCK_K] tile; the folding only lets BLOCK_N go
-    below tl.dot's 16 (more programs for small N) at the price of FOLD x the (idle) tensor-core work.
-    """
+def _dot_w_tile(w_ptr, k0, n0, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                FOLD: tl.constexpr):
+    """w' [BLOCK_N * FOLD, BLOCK_K / FOLD] for K chunk k0: row r = n * FOLD + h holds
+    w[n0 + n, k0 + h * KF : k0 + (h + 1) * KF] (KF = BLOCK_K / FOLD); see _dot_mac."""
     KF: tl.constexpr = BLOCK_K // FOLD
     j = tl.arange(0, KF)
     r = tl.arange(0, BLOCK_N * FOLD)
     w_rows = n0 + r // FOLD
     w_cols = k0 + (r % FOLD) * KF
-    w = tl.load(w_ptr + w_rows[:, None] * stride_wn + w_cols[:, None] + j[None, :],
-                mask=(w_rows[:, None] < N) & (w_cols[:, None] + j[None, :] < K), other=0.0)
+    return tl.load(w_ptr + w_rows[:, None] * stride_wn + w_cols[:, None] + j[None, :],
+                   mask=(w_rows[:, None] < N) & (w_cols[:, None] + j[None, :] < K), other=0.0)
+
+
+@triton.jit
+def _dot_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
+             K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+             BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, FOLD: tl.constexpr,
+             DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """acc [BLOCK_N * FOLD, FOLD * BLOCK_M] += w' @ a'.T over K chunk k0 .. k0 + BLOCK_K, K folded FOLD ways.
+
+    Row c = g * BLOCK_M + m of a' holds slice g of x row m (the slices of _dot_w_tile's rows), so the blocks with
+    h == g are the partial sums wanted (see _unfold). Memory traffic is that of a [BLOCK_N, BLOCK_K] tile; the
+    folding only lets BLOCK_N go below tl.dot's 16 (more programs for small N) at the price of FOLD x the (idle)
+    tensor-core work.
+    """
+    KF: tl.constexpr = BLOCK_K // FOLD
+    j = tl.arange(0, KF)
     c = tl.arange(0, FOLD * BLOCK_M)
     a_rows = c % BLOCK_M
     a_cols = k0 + (c // BLOCK_M) * KF
@@ -232,15 +246,22 @@ def _unfold(acc, BLOCK_N: tl.constexpr, FOLD: tl.constexpr, BLOCK_M: tl.constexp
 
 
 @triton.jit
-def _broadcast_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm, stride_wn,
-                    K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-                    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _broadcast_w_tile(w_ptr, k0, n0, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """w [BLOCK_N, BLOCK_K] for K chunk k0, as loaded (the model dtype)."""
+    ks = k0 + tl.arange(0, BLOCK_K)
+    n_offs = n0 + tl.arange(0, BLOCK_N)
+    return tl.load(w_ptr + n_offs[:, None] * stride_wn + ks[None, :], mask=(n_offs[:, None] < N) & (ks[None, :] < K),
+                   other=0.0)
+
+
+@triton.jit
+def _broadcast_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
+                   K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                   BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc [BLOCK_N, BLOCK_M] += w tile @ prologue(x)[:, k0:k0+BLOCK_K].T, one x row at a time on the CUDA cores."""
     ks = k0 + tl.arange(0, BLOCK_K)
     k_mask = ks < K
-    n_offs = n0 + tl.arange(0, BLOCK_N)
-    w = tl.load(w_ptr + n_offs[:, None] * stride_wn + ks[None, :], mask=(n_offs[:, None] < N) & k_mask[None, :],
-                other=0.0).to(tl.float32)
+    w = w.to(tl.float32)
     norm_w = 0.0
     if PROLOGUE == PROLOGUE_RMS:
         norm_w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)
@@ -257,16 +278,26 @@ def _broadcast_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, 
 
 
 @triton.jit
-def _k_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm, stride_wn,
-            K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
-            BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
-            FOLD: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+def _w_tile(w_ptr, k0, n0, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+            USE_DOT: tl.constexpr, FOLD: tl.constexpr):
     if USE_DOT:
-        acc = _dot_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm, stride_wn,
-                        K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, FOLD, DOT_FP32, DOT_PRECISION)
+        w = _dot_w_tile(w_ptr, k0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, FOLD)
     else:
-        acc = _broadcast_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm,
-                              stride_wn, K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K)
+        w = _broadcast_w_tile(w_ptr, k0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K)
+    return w
+
+
+@triton.jit
+def _mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
+         K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+         BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, USE_DOT: tl.constexpr,
+         FOLD: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    if USE_DOT:
+        acc = _dot_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
+                       K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_K, FOLD, DOT_FP32, DOT_PRECISION)
+    else:
+        acc = _broadcast_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
+                             K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_K)
     return acc
 
 
@@ -277,25 +308,31 @@ def _skinny_matmul_kernel(
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
+    # The first weight tile does not depend on the kernel before this one: under PDL it is read while that
+    # kernel finishes (for most decode shapes it is the program's whole slice of w).
+    w = _w_tile(w_ptr, 0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
+    pdl_wait(USE_PDL)
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PROLOGUE == PROLOGUE_RMS:
         rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm, stride_rom, eps,
                          K, HAS_RES, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_N * FOLD, FOLD * BLOCK_M], tl.float32)
+    acc = _mac(acc, w, 0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm, K, PROLOGUE, HAS_RES,
+               BLOCK_M, BLOCK_K, USE_DOT, FOLD, DOT_FP32, DOT_PRECISION)
     if UNROLL:
-        for k0 in tl.static_range(0, K, BLOCK_K):
-            acc = _k_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm,
-                          stride_wn, K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, FOLD,
-                          DOT_FP32, DOT_PRECISION)
+        for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
+            w = _w_tile(w_ptr, k0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
+            acc = _mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm, K, PROLOGUE,
+                       HAS_RES, BLOCK_M, BLOCK_K, USE_DOT, FOLD, DOT_FP32, DOT_PRECISION)
     else:
-        for k0 in range(0, K, BLOCK_K):
-            acc = _k_step(acc, k0, x_ptr, res_ptr, norm_w_ptr, w_ptr, rstd, n0, N, M, stride_xm, stride_rm,
-                          stride_wn, K, PROLOGUE, HAS_RES, BLOCK_M, BLOCK_N, BLOCK_K, USE_DOT, FOLD,
-                          DOT_FP32, DOT_PRECISION)
+        for k0 in range(BLOCK_K, K, BLOCK_K):
+            w = _w_tile(w_ptr, k0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
+            acc = _mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm, K, PROLOGUE,
+                       HAS_RES, BLOCK_M, BLOCK_K, USE_DOT, FOLD, DOT_FP32, DOT_PRECISION)
     out = _unfold(acc, BLOCK_N, FOLD, BLOCK_M)
     n_offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = n_offs < N
@@ -365,13 +402,13 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         USE_DOT=cfg.use_dot, FOLD=fold, UNROLL=cfg.unroll,
         DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 models keep exact fp32 dots
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out, res_out
 
 
 def _fold(cfg: GemvConfig) -> int:
-    """K folds that give tl.dot its 16 rows when BLOCK_N < 16 (see _dot_step)."""
+    """K folds that give tl.dot its 16 rows when BLOCK_N < 16 (see _dot_mac)."""
     return max(1, DOT_BLOCK_M // cfg.block_n) if cfg.use_dot else 1
 
 
