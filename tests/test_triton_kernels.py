@@ -79,8 +79,10 @@ def test_store_kv_writes_each_token_at_its_slot_and_skips_minus_one(block_size):
 @interpreted_only
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
+@pytest.mark.parametrize("merge", ["atomic", "reduce"])   # in the split launch, or a second launch
 def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype,
-                                                     num_splits):
+                                                     num_splits, merge, monkeypatch):
+    monkeypatch.setenv("KESTREL_DECODE_MERGE", merge)
     from kestrel.attention import torch_ref, triton_kernels
     gen = torch.Generator().manual_seed(head_dim * block_size + group)
     kv_lens = [1, 17, 75]    # 75 tokens span several 16-token tiles and every one of 3 splits

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 
 import torch
 import triton
@@ -128,8 +129,9 @@ def _attend_tile(
 #   used_splits  > 1: each program writes a normalised partial output and its log2-sum-exp into scratch
 #         partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
 #     then bumps counters[s, kv_head] (int32) with an acq_rel atomic; the program that sees used_splits - 1 is
-#     the last, merges every other split's partial into its own (still in registers), writes the output and
+#     the last, merges all used splits' partials (_merge_splits: one round of loads), writes the output and
 #     resets the counter to 0, so the scratch is ready for the next layer or graph replay.
+#     (KESTREL_DECODE_MERGE=reduce: no atomics; a second launch, _decode_reduce_kernel, merges instead.)
 #   kv_len == 0 (a padded row): split 0 writes zeros; no partials, no atomics.
 # No program ever waits on another (the last one to finish does the merge), so there is no forward-progress
 # hazard however the programs are scheduled; under the interpreter programs run in order and the last used split
@@ -140,19 +142,28 @@ def _attend_tile(
 # acquire invalidating L1 for the threads that did not issue it.
 
 @triton.jit
-def _merge_split(part_out_ptr, part_lse_ptr, split, stride_po_split, row_mask, dims, dim_mask, m, total, acc):
-    """Fold one split's partial into (m, total, acc); the pointers already point at the sequence's heads.
+def _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
+                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The softmax-weighted sum of splits 0 .. used_splits - 1 of the partials at po_base [BLOCK_H rows, split, D]
+    and pl_base [BLOCK_H rows, split] -> [BLOCK_H, BLOCK_D] fp32, normalised.
 
-    (m, total, acc) is an unnormalised online-softmax state in log2 units: acc / total is the output so far.
-    The loads bypass L1 (.cg): other SMs wrote these lines during this launch (memory ordering note above).
+    All log-sum-exps come in one load and the unrolled split loop's loads are independent of each other, so the
+    merge costs about one memory round trip, not one per split. Loads bypass L1 (.cg): other SMs wrote these lines
+    during this launch (memory ordering note above).
     """
-    lse = tl.load(part_lse_ptr + split, mask=row_mask, other=float("-inf"), cache_modifier=".cg")
-    part = tl.load(part_out_ptr + split * stride_po_split + dims[None, :], mask=row_mask[:, None] & dim_mask[None, :],
-                   other=0.0, cache_modifier=".cg")
-    m_new = tl.maximum(m, lse)
-    alpha = tl.exp2(m - m_new)
-    weight = tl.exp2(lse - m_new)
-    return m_new, total * alpha + weight, acc * alpha[:, None] + weight[:, None] * part
+    splits = tl.arange(0, BLOCK_S)
+    split_mask = splits < used_splits
+    lse = tl.load(pl_base[:, None] + splits[None, :], mask=row_mask[:, None] & split_mask[None, :],
+                  other=float("-inf"), cache_modifier=".cg")                     # [BLOCK_H, BLOCK_S]
+    m = tl.max(lse, 1)
+    weight = tl.exp2(lse - m[:, None])                                          # 0 for unused splits
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    for sp in tl.static_range(BLOCK_S):
+        part = tl.load(po_base + sp * stride_po_split + dims[None, :],
+                       mask=row_mask[:, None] & dim_mask[None, :] & (sp < used_splits), other=0.0,
+                       cache_modifier=".cg")
+        acc += tl.sum(tl.where(splits[None, :] == sp, weight, 0.0), 1)[:, None] * part
+    return acc / tl.sum(weight, 1)[:, None]
 
 
 @triton.jit
@@ -171,7 +182,7 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, USE_PDL: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -224,30 +235,58 @@ def _decode_kernel(
             pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
             tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
             tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
-            # Every thread's partial stores must precede the (single-thread) release atomic below.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * stride_cnt_s + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
-            if done == used_splits - 1:   # the last used split to finish merges the others into its own
-                m, total = m_i, l_i
-                if INTERPRET:
-                    other = 0
-                    while other < used_splits:
-                        if other != split:
-                            m, total, acc = _merge_split(po_base, pl_base, other, stride_po_split, row_mask,
-                                                         dims, dim_mask, m, total, acc)
-                        other += 1
-                else:
-                    for other in range(0, used_splits):
-                        if other != split:
-                            m, total, acc = _merge_split(po_base, pl_base, other, stride_po_split, row_mask,
-                                                         dims, dim_mask, m, total, acc)
-                tl.store(out_ptrs, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-                # Every split has counted, so nothing else touches the counter in this launch; the next launch
-                # is stream-ordered after this one.
-                tl.store(counter, 0)
+            if MERGE:   # in this launch: the last split program to finish merges (else _decode_reduce_kernel)
+                # Every thread's partial stores must precede the (single-thread) release atomic below.
+                tl.debug_barrier()
+                counter = counter_ptr + seq * stride_cnt_s + kv_head
+                done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
+                if done == used_splits - 1:
+                    out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
+                                        BLOCK_H, BLOCK_D, BLOCK_S)
+                    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                    # Every split has counted, so nothing else touches the counter in this launch; the next
+                    # launch is stream-ordered after this one.
+                    tl.store(counter, 0)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
+
+
+@triton.jit
+def _decode_reduce_kernel(
+    part_out_ptr, part_lse_ptr, kv_lens_ptr, out_ptr,
+    num_splits,
+    stride_po_s, stride_po_h, stride_po_split,
+    stride_pl_s, stride_pl_h,
+    stride_os, stride_oh,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+):
+    """The merge as a second launch (MERGE=False), one program per (sequence, kv head); a sequence whose context
+    fitted in one split already has its output."""
+    seq = tl.program_id(0)
+    kv_head = tl.program_id(1)
+    pdl_wait(USE_PDL)
+    kv_len = tl.load(kv_lens_ptr + seq)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    used_splits = tl.cdiv(kv_len, per_split)
+    if used_splits > 1:
+        rows = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + rows
+        row_mask = rows < GROUP
+        dims = tl.arange(0, BLOCK_D)
+        dim_mask = dims < HEAD_DIM
+        po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
+        pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
+        out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
+                            BLOCK_H, BLOCK_D, BLOCK_S)
+        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+
+
+def merge_in_kernel() -> bool:
+    """Where decode merges its splits: in the split launch (last program, atomics; default) or in a second
+    launch. KESTREL_DECODE_MERGE=reduce picks the second (A/B on the GPU)."""
+    return os.environ.get("KESTREL_DECODE_MERGE", "atomic") != "reduce"
 
 
 @functools.lru_cache(maxsize=None)
@@ -318,6 +357,10 @@ def decode_attention(
 
     group = num_heads // num_kv_heads
     tiles = _decode_tiles(q)
+    merge = merge_in_kernel()
+    block_h, block_d = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
+    block_s = triton.next_power_of_2(num_splits)
+    pdl = launch_options(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, kv_lens, out, part_out, part_lse, counters,
         scale * LOG2E, num_splits,
@@ -329,11 +372,21 @@ def decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         counters.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"], BLOCK_SIZE=block_size,
-        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **launch_options(q.device),
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles["BLOCK_N"],
+        BLOCK_SIZE=block_size, DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
+        MERGE=merge, BLOCK_S=block_s,
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl,
     )
+    if not merge:
+        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
+            part_out, part_lse, kv_lens, out,
+            num_splits,
+            part_out.stride(0), part_out.stride(1), part_out.stride(2),
+            part_lse.stride(0), part_lse.stride(1),
+            out.stride(0), out.stride(1),
+            GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles["BLOCK_N"],
+            BLOCK_S=block_s, num_warps=4, **pdl,
+        )
     return out
 
 
