@@ -33,12 +33,14 @@ fi
 if [[ $STAGES == *" profile "* ]]; then
   step "skinny matmul kernels vs cuBLAS"
   timeout 120 python3 -m benchmarks.gemv_bench --out "$OUT/gemv_bench.json" 2>> "$LOG" | tee -a "$LOG"
-  step "bs1 decode profile (kernel table per step), then the same with skinny matmuls off"
+  step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch off in turn"
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
-  KESTREL_SKINNY_MATMUL=0 timeout 200 python3 -m benchmarks.profile_decode --workdir "$WORK" \
-    --out "$OUT/profile_no_skinny.json" --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" \
-    | grep -E "^##|engine.step" | tee -a "$LOG"
+  for off in ${PROFILE_AB:-KESTREL_PDL=0 KESTREL_DECODE_MERGE=reduce KESTREL_SKINNY_MATMUL=0}; do
+    echo "--- $off" | tee -a "$LOG"
+    env "$off" timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models ${PROFILE_MODELS:-qwen3-0.6b} \
+      2>> "$LOG" | grep -E "^##|engine.step" | tee -a "$LOG"
+  done
 fi
 if [[ $STAGES == *" bench "* ]]; then
   step "engine benchmarks"

@@ -49,6 +49,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         wrapper = self._decode if batch.is_decode else self._prefill
         return wrapper.run(q.contiguous(), (k_cache, v_cache))
 
+    @torch.inference_mode()   # the wrappers' buffers are made and refilled under it, whoever calls forward
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         device = q.device
         if self._workspace is None or self._workspace.device != device:

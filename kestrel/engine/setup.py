@@ -155,6 +155,7 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, m
     return max(1, min(budget // per_block, useful))
 
 
+@torch.inference_mode()   # as every other forward: a backend may keep tensors made under it (FlashInfer's plan)
 def profile_activation_peak(runner: ModelRunner, config: EngineConfig) -> int:
     """Peak device memory (weights included) of the largest step: one max_num_batched_tokens prefill."""
     bs = config.block_size
