@@ -218,10 +218,12 @@ def main() -> int:
     ap.add_argument("--skip-hf", action="store_true")
     ap.add_argument("--prefix-bench", default="qwen3-0.6b", help="models (dir names) that also run the "
                     "shared-prefix workload")
+    ap.add_argument("--only", choices=["kestrel", "hf"], default=None, help="bench one system (the per-model "
+                    "children run Kestrel and the HF peer in separate processes, so the peer gets the whole GPU)")
     ap.add_argument("--in-process", action="store_true", help="bench every model in this process (default: one "
                     "child process per model, so no model's memory is left over for the next)")
     args = ap.parse_args()
-    if not args.in_process and "," in args.models:
+    if not args.in_process:
         return bench_each_model_in_a_child(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-"))
@@ -239,9 +241,10 @@ def main() -> int:
                 model_dir = write_random_checkpoint(name, workdir / name)
                 res["checkpoint_write_s"] = time.perf_counter() - t
                 vocab = SHAPES[name]["vocab_size"]
-            bench_kestrel(model_dir, vocab, args, res)
-            res["roofline_bs1_tok_s"] = bw / res["weight_bytes"]  # every weight byte read once per step
-            if not args.skip_hf:
+            if args.only != "hf":
+                bench_kestrel(model_dir, vocab, args, res)
+                res["roofline_bs1_tok_s"] = bw / res["weight_bytes"]  # every weight byte read once per step
+            if args.only != "kestrel" and not args.skip_hf:
                 bench_hf(model_dir, vocab, args, res)
         except Exception as exc:
             log.exception("benchmark of %s failed", name)
@@ -253,26 +256,30 @@ def main() -> int:
 
 
 def bench_each_model_in_a_child(args) -> int:
-    """Run this script once per model (--in-process) and merge the JSON reports in model order."""
+    """Run this script (--in-process) once per model and system, so neither the previous model's nor Kestrel's
+    memory (its KV cache takes most of the GPU) is held when the next one starts; merge the JSON reports."""
     import subprocess
     merged: dict = {}
     workdir = args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-")
+    systems = ["kestrel"] if args.skip_hf else ["kestrel", "hf"]
     for name in args.models.split(","):
-        out = Path(args.out).with_suffix(f".{name}.json")
-        cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--models", name, "--out", str(out),
-               "--workdir", workdir, "--output-len", str(args.output_len), "--concurrency", str(args.concurrency),
-               "--hf-tokens", str(args.hf_tokens), "--prefix-bench", args.prefix_bench]
-        if args.skip_hf:
-            cmd.append("--skip-hf")
-        subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
-        try:
-            part = json.loads(out.read_text())
-        except (OSError, ValueError) as exc:
-            part = {"models": {name: {"error": f"benchmark process wrote no report: {exc}"}}}
-        models = merged.setdefault("models", {})
-        merged.update({k: v for k, v in part.items() if k != "models"})
-        models.update(part.get("models", {}))
-        Path(args.out).write_text(json.dumps(merged, indent=1))
+        for system in systems:
+            out = Path(args.out).with_suffix(f".{name}.{system}.json")
+            cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--only", system,
+                   "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
+                   "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
+                   "--prefix-bench", args.prefix_bench]
+            subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+            try:
+                part = json.loads(out.read_text())
+            except (OSError, ValueError) as exc:
+                part = {"models": {name: {f"{system}_error": f"benchmark process wrote no report: {exc}"}}}
+            merged.update({k: v for k, v in part.items() if k != "models"})
+            for model, res in part.get("models", {}).items():
+                if "error" in res:   # keep both systems' errors apart
+                    res[f"{system}_error"] = res.pop("error")
+                merged.setdefault("models", {}).setdefault(model, {}).update(res)
+            Path(args.out).write_text(json.dumps(merged, indent=1))
     print(json.dumps(merged, indent=1))
     return 0
 

@@ -19,8 +19,9 @@ def fmt(value, digits: int = 1) -> str:
 
 
 def model_table(name: str, res: dict) -> list[str]:
-    if "error" in res and "kestrel" not in res:
-        return [f"**{name}**: failed: `{res['error']}`", ""]
+    errors = {k: v for k, v in res.items() if k == "error" or k.endswith("_error")}
+    if "kestrel" not in res:
+        return [f"**{name}**: failed: " + "; ".join(f"{k} `{v}`" for k, v in errors.items()), ""]
     lines = [f"**{name}** (weights {res['weight_bytes'] / 1e9:.2f} GB, attention {res['attention_backend']}, "
              f"KV cache {res['kv_cache_tokens']:,} tokens)", "",
              "| variant | bs1 tok/s | bs1 ms/token | bs1 decode tok/s | 128 concurrent out tok/s |",
@@ -36,6 +37,8 @@ def model_table(name: str, res: dict) -> list[str]:
     if hf:
         lines.append(f"| HF transformers eager (same run) | {fmt(hf['bs1_tok_s'])} | {fmt(1000 / hf['bs1_tok_s'], 2)}"
                      f" | — | {fmt(hf['bs128_tok_s'], 0)} |")
+    elif "hf_error" in res:
+        lines.append(f"| HF transformers eager (same run) | error: `{res['hf_error'][:80]}` | | | |")
     lines.append(f"| roofline (weights / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} | | | |")
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in res.get("startup_phases_s", {}).items())
     sp = res.get("shared_prefix")
