@@ -71,3 +71,12 @@ def test_rotary_ref_is_hf_apply_rotary_pos_emb(dtype):
     got_q, got_k = apply_rotary_ref(q, k, positions, cache)
     assert torch.equal(got_q, hf_q[0].transpose(0, 1))
     assert torch.equal(got_k, hf_k[0].transpose(0, 1))
+
+
+def test_pdl_is_off_on_cpu_and_under_the_env_switch(monkeypatch):
+    """PDL launch options only on a CUDA device of compute capability >= 9 (tests/gpu/test_pdl_gpu.py checks
+    that side); on CPU the kernels get USE_PDL=False and no launch_pdl keyword."""
+    from kestrel.layers.pdl import launch_options, pdl_enabled
+    assert launch_options(torch.device("cpu")) == {"USE_PDL": False}
+    monkeypatch.setenv("KESTREL_PDL", "0")
+    assert not pdl_enabled(torch.device("cuda"))   # decided before any CUDA call

@@ -39,7 +39,7 @@ def test_overlap_matches_synchronous_schedule_with_stops_and_sampling(checkpoint
             params.append(SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tokens[5]]))
         elif kind == 1:   # the same, but min_tokens forbids stopping early (that step needs masked logits)
             params.append(SamplingParams(max_tokens=16, temperature=0, stop_token_ids=[tokens[2]], min_tokens=4))
-        elif kind == 2:   # sampled rows cannot use the graph's argmax: synchronous steps until they finish
+        elif kind == 2:   # sampled rows: drawn on the device after the graph, overlapped like greedy ones
             params.append(SamplingParams(max_tokens=3, temperature=0.9, seed=i, ignore_eos=True))
         elif kind == 3:   # text stop: finish_sample between steps, with a step in flight
             params.append(SamplingParams(max_tokens=16, temperature=0, stop=[probe.tokenizer.decode(tokens[4:6])]))
@@ -88,3 +88,21 @@ def test_abort_with_a_step_in_flight(checkpoint_factory):
     assert PLACEHOLDER not in got["r1"] and sum(overlapped) > 0
     engine.prefix_cache.reset()
     assert engine.pool.num_free == engine.pool.num_blocks
+
+
+def test_sampled_rows_ride_the_overlap_and_draw_what_the_synchronous_schedule_draws(checkpoint_factory):
+    """Seeded temperature / top-k / top-p / min-p rows: the device draw after each launch (written over the
+    argmax, fed to the next launch) gives the synchronous schedule's tokens, and the rows are overlapped."""
+    path = str(checkpoint_factory("llama"))
+    prompts = [[5, 9, 11, 30], [7, 7, 8], [40, 41, 42, 43, 44, 45], [3, 4]]
+    params = [SamplingParams(max_tokens=12, temperature=0.8, seed=1, ignore_eos=True),
+              SamplingParams(max_tokens=9, temperature=1.1, top_k=20, seed=2, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0.7, top_p=0.9, seed=3, ignore_eos=True),
+              SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)]   # a greedy row in the same batch
+    sync_llm, _ = _llm(path, overlap=False)
+    expected = sync_llm.generate(prompts, params)
+    llm, overlapped = _llm(path, overlap=True)
+    got = llm.generate(prompts, params)
+    assert [g.outputs[0].token_ids for g in got] == [e.outputs[0].token_ids for e in expected]
+    assert sum(overlapped) >= 3 * 8, "sampled rows were not fed from the previous launch's device tokens"
+    assert llm.engine._inflight is None and not llm.engine.has_unfinished()

@@ -16,10 +16,10 @@ from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
 from kestrel.engine.batch import build_forward_batch
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
-from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, greedy_graph_eligible,
+from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, overlap_eligible,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
-from kestrel.engine.sampler import make_sampling_batch, sample, top_logprobs
+from kestrel.engine.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.setup import build_runner
 from kestrel.errors import KestrelError
@@ -55,6 +55,7 @@ class Engine:
         self._evictable, self._evictable_at = 0, float("-inf")   # stats(): cached radix-tree count
         # The overlap schedule (engine/overlap.py): at most one decode step launched and not yet read back.
         self._inflight: InflightDecode | None = None
+        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None   # see _overlap_sampling_batch
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -116,9 +117,9 @@ class Engine:
         graphs = self.runner.graphs
         pure_decode = graphs is not None and plan.num_tokens == len(plan.scheduled) \
             and graphs.can_run(len(plan.scheduled)) and all(s.completes_prompt for s in plan.scheduled)
-        # continuing: _can_continue_overlap already checked these rows are greedy-eligible
+        # continuing: _can_continue_overlap already checked these rows are eligible
         if pure_decode and self._overlap_enabled() \
-                and (continuing or all(self._greedy_ok(s.seq) for s in plan.scheduled)):
+                and (continuing or all(self._overlap_ok(s.seq) for s in plan.scheduled)):
             return updates + self._launch_overlapped(plan.scheduled)
         if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
             updates += self._resolve_inflight()
@@ -158,12 +159,12 @@ class Engine:
     def _overlap_enabled(self) -> bool:
         return self.runner.graphs is not None and not self.config.disable_overlap_schedule
 
-    def _greedy_ok(self, seq: Sequence) -> bool:
+    def _overlap_ok(self, seq: Sequence) -> bool:
         p = seq.params
-        return greedy_graph_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids)))
+        return overlap_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids)))
 
     def _can_continue_overlap(self, inflight: InflightDecode) -> bool:
-        """Whether the next step is again a greedy graph decode of exactly the launched rows, with blocks to grow
+        """Whether the next step is again an eligible graph decode of exactly the launched rows, with blocks to grow
         into and nothing waiting: then it can be launched before `inflight` is read back."""
         running = self.scheduler.running
         if (not self._overlap_enabled() or self.scheduler.waiting or len(running) != len(inflight.seqs)
@@ -173,7 +174,7 @@ class Engine:
         blocks = 0
         for seq in inflight.seqs:
             if seq.status is not SeqStatus.RUNNING or steps_to_length_stop(seq, self.max_model_len) <= 0 \
-                    or not self._greedy_ok(seq):
+                    or not self._overlap_ok(seq):
                 return False
             blocks += blocks_to_grow(seq, self.config.block_size)
         return blocks <= self.pool.num_free   # never preempt or evict with placeholders in flight
@@ -184,7 +185,10 @@ class Engine:
         seqs = [r.seq for r in rows]
         previous = self._inflight
         graphs = self.runner.graphs
-        _, tokens = graphs.launch(seqs, previous.rows if previous is not None else None)
+        logits, tokens = graphs.launch(seqs, previous.rows if previous is not None else None)
+        if not all(seq.params.greedy for seq in seqs):
+            # Sampled rows: draw on the device and put the draws where the next launch and the read-back look.
+            tokens.copy_(sample(logits, self._overlap_sampling_batch(seqs)))
         host_tokens, done = graphs.read_back_async(tokens)
         self._mark_computed(rows)
         positions = []
@@ -193,6 +197,18 @@ class Engine:
             seq.output_token_ids.append(PLACEHOLDER)
         self._inflight = InflightDecode(seqs, positions, host_tokens, done)
         return self._resolve(previous) if previous is not None else []
+
+    def _overlap_sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
+        """The rows' sampling settings on the device, built once per set of rows: a continuing overlap launches
+        the same rows step after step, and a host-to-device copy per step would cost more than the sampling."""
+        key = tuple(seq.seq_id for seq in seqs)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            params = [seq.params for seq in seqs]
+            batch = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
+                                        [p.top_p for p in params], [p.min_p for p in params],
+                                        [seq.generator for seq in seqs], 0, self.runner.device)
+            self._sampling_cache = (key, batch)
+        return self._sampling_cache[1]
 
     def _resolve_inflight(self) -> list[SampleUpdate]:
         inflight, self._inflight = self._inflight, None

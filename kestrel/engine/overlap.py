@@ -2,14 +2,17 @@
 vLLM's async scheduling), so the host's per-step work (scheduling, bookkeeping, detokenizing, sending) runs while
 the GPU computes instead of between GPU steps.
 
-It applies to greedy decode steps on the CUDA-graph path, the steady state of bs1 and batched decoding:
+It applies to decode steps on the CUDA-graph path whose next tokens need no host-side work on the logits (no
+logprobs, no stop tokens to mask under min_tokens), the steady state of bs1 and batched decoding. Greedy rows take
+the graph's argmax; when any row samples (temperature, top-k, top-p, min-p), the sampler runs on the device right
+after the graph and its tokens overwrite the argmax before they are read back or fed to the next launch:
 
     host:  launch N | resolve N-1 | launch N+1 | resolve N | launch N+2 | ...
     GPU:        [ step N          ][ step N+1        ][ step N+2 ...
 
 A launched step's new token is not known on the host yet, so each row gets a placeholder token (PLACEHOLDER) at
 the end of `output_token_ids`: lengths, block allocation and positions stay exact, and the next launch feeds
-that row from the previous step's on-device argmax (see cuda_graphs.py, `input_src`). Resolving writes the real
+that row from the previous step's on-device token (see cuda_graphs.py, `input_src`). Resolving writes the real
 token over the placeholder and applies the stop checks one step late; a row that stopped has its extra,
 already-launched step discarded (its KV write lands in blocks that are freed after it, on the same stream).
 """
@@ -49,11 +52,11 @@ def steps_to_length_stop(seq: Sequence, max_model_len: int) -> int:
     return left
 
 
-def greedy_graph_eligible(seq: Sequence, eos_banned: bool) -> bool:
-    """Whether this sequence's next token is exactly the graph's argmax: greedy, no logprobs, and no stop token
-    to mask for min_tokens (`eos_banned`: the engine has tokens it would mask)."""
+def overlap_eligible(seq: Sequence, eos_banned: bool) -> bool:
+    """Whether this sequence's next token can be produced on the device alone: no logprobs to return, and no stop
+    token to mask for min_tokens (`eos_banned`: the engine has tokens it would mask). Greedy or sampled."""
     p = seq.params
-    if not p.greedy or p.logprobs is not None:
+    if p.logprobs is not None:
         return False
     return not (p.min_tokens and seq.num_output_tokens < p.min_tokens and eos_banned)
 
