@@ -87,7 +87,7 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     progress = Progress()
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=args.concurrency,
-                                 max_num_seqs=max(256, args.concurrency), enable_prefill_cuda_graph=True), progress)
+                                 max_num_seqs=max(256, args.concurrency)), progress)
     results["startup_s"] = time.perf_counter() - t0
     results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
     runner = engine.runner

@@ -22,8 +22,7 @@ def main() -> int:
     args = ap.parse_args()
     vocab = SHAPES[args.model]["vocab_size"]
     path = write_random_checkpoint(args.model, Path(tempfile.mkdtemp()) / args.model)
-    engine = Engine(EngineConfig(model=str(path), device="cuda", cuda_graph_max_bs=8, max_num_seqs=8,
-                                 enable_prefill_cuda_graph=True))
+    engine = Engine(EngineConfig(model=str(path), device="cuda", cuda_graph_max_bs=8, max_num_seqs=8))
     one = random_prompts(1, 128, vocab, 1)
     run_requests(engine, one, 4)
     res = {"model": args.model, "prefill_graphs": engine.runner.prefill_graphs is not None}

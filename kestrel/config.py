@@ -27,7 +27,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 8192     # token budget of one step (chunked prefill + decodes)
     disable_cuda_graph: bool = False
     cuda_graph_max_bs: int = 256
-    enable_prefill_cuda_graph: bool = False  # graphs for a lone prompt chunk (TTFT); opt-in until measured
+    disable_prefill_cuda_graph: bool = False  # graphs for a lone prompt chunk (TTFT: 8B 4.9 vs 25 ms on the H200)
     disable_overlap_schedule: bool = False   # greedy graph decode: launch step N+1 before reading step N back
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
@@ -110,8 +110,8 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
     parser.add_argument("--disable-cuda-graph", action="store_true")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
-    parser.add_argument("--enable-prefill-cuda-graph", action="store_true",
-                        help="also capture graphs for single-prompt prefill chunks (lower TTFT)")
+    parser.add_argument("--disable-prefill-cuda-graph", action="store_true",
+                        help="prefill eagerly: no graphs for single-prompt chunks of up to 512 tokens (higher TTFT)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each decode step's tokens back before launching the next (SGLang's flag)")
     parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None)

@@ -286,7 +286,7 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
     except Exception:  # noqa: BLE001 - any capture failure falls back to eager decode
         logger.exception("decode graph capture failed; decoding eagerly")
         return
-    if not config.enable_prefill_cuda_graph:
+    if config.disable_prefill_cuda_graph:
         prefill.buckets = []
     try:
         prefill.pool = decode.pool

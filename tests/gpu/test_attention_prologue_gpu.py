@@ -98,8 +98,7 @@ def test_engine_with_fused_prologue_gives_the_unfused_greedy_tokens(checkpoint_f
     path = str(checkpoint_factory(arch))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
-    kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16,
-              enable_prefill_cuda_graph=True)
+    kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16)
     monkeypatch.setenv("KESTREL_FUSED_ATTN_PROLOGUE", "0")
     plain = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
     monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)   # on by default

@@ -58,8 +58,7 @@ def test_bf16_cuda_tokens_match_hf_fp32(checkpoint_factory, name):
     path = paths[name]
     params = SamplingParams(max_tokens=NEW, temperature=0, ignore_eos=True)
     results = {}
-    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=16, cuda_graph_max_bs=16,
-              enable_prefill_cuda_graph=True)
+    llm = LLM(model=str(path), device="cuda", dtype="bfloat16", max_num_seqs=16, cuda_graph_max_bs=16)
     prompt_ids = [llm.tokenizer.encode(p) for p in PROMPTS]
     results["triton+graphs"] = [o.outputs[0].token_ids for o in llm.generate(prompt_ids, params)]
     runner = llm.engine.runner

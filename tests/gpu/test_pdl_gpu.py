@@ -6,13 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel import LLM, SamplingParams
+from tests.gpu.engine_tokens import greedy_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
-
-PROMPTS = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint(",
-           "class Stack:\n    def __init__(self):"]
-
 
 def test_pdl_is_on_for_hopper_and_off_by_env(monkeypatch):
     from kestrel.layers.pdl import launch_options
@@ -70,10 +66,7 @@ def test_captured_skinny_chain_with_pdl_is_bit_identical(monkeypatch, rows):
 
 
 def _tokens(path, monkeypatch, pdl: str, **kw) -> list[list[int]]:
-    monkeypatch.setenv("KESTREL_PDL", pdl)
-    params = SamplingParams(max_tokens=48, temperature=0, ignore_eos=True)
-    llm = LLM(model=path, device="cuda", cuda_graph_max_bs=8, max_num_seqs=8, **kw)
-    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+    return greedy_tokens(path, monkeypatch, {"KESTREL_PDL": pdl}, max_tokens=48, **kw)
 
 
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])

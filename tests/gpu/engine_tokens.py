@@ -1,0 +1,17 @@
+"""Greedy tokens of a CUDA engine under given environment switches: the A/B helper of the fast-path GPU tests."""
+from __future__ import annotations
+
+from kestrel import LLM, SamplingParams
+
+PROMPTS = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint(",
+           "class Stack:\n    def __init__(self):"]
+
+
+def greedy_tokens(path: str | None, monkeypatch, env: dict[str, str], max_tokens: int = 24,
+                  **kw) -> list[list[int]]:
+    """PROMPTS through a fresh engine (graphs up to batch 8) with `env` set; path None = the default model."""
+    for name, value in env.items():
+        monkeypatch.setenv(name, value)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    llm = LLM(model=path, device="cuda", cuda_graph_max_bs=8, max_num_seqs=8, **kw)
+    return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
