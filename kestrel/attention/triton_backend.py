@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention import triton_kernels
+from kestrel.attention import fused_decode, triton_kernels
 from kestrel.attention.base import AttentionBackend
 from kestrel.engine.batch import ForwardBatch
 
@@ -16,6 +16,9 @@ class TritonAttentionBackend(AttentionBackend):
     (they run one after another, and each launch leaves the counters at zero for the next). Their head counts and
     head_dim are only known at the first decode forward, so the runner must run one eager decode step (its usual
     warm-up) after init_graph_buffers and before capturing.
+
+    With KESTREL_FUSED_DECODE_PROLOGUE=1 (an experiment, off by default) decode steps of models with the fused
+    attention prologue go through decode_from_qkv: prologue and decode attention in one launch (fused_decode.py).
     """
 
     name = "triton"
@@ -39,19 +42,33 @@ class TritonAttentionBackend(AttentionBackend):
             triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
+            num_seqs, num_heads, head_dim = q.shape
+            partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
             return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
-                                                   partials=self._decode_partials(q, k_cache.shape[2]))
+                                                   partials=partials)
         return triton_kernels.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale)
 
-    def _decode_partials(self, q: torch.Tensor, num_kv_heads: int) -> triton_kernels.DecodeScratch | None:
+    def decodes_from_qkv(self) -> bool:
+        return fused_decode.fused_decode_enabled()
+
+    def decode_from_qkv(self, qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache,
+                        batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
+                        scale: float) -> torch.Tensor:
+        assert batch.is_decode and qkv.shape[0] == batch.num_seqs, "a decode batch: one query token per sequence"
+        partials = self._decode_partials(batch.num_seqs, num_heads, num_kv_heads, head_dim, qkv.device)
+        return fused_decode.decode_attention_from_qkv(
+            qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
+            batch.block_table, batch.kv_lens, num_heads, num_kv_heads, head_dim, scale, partials=partials)
+
+    def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
+                         device: torch.device) -> triton_kernels.DecodeScratch | None:
         if self._max_batch_size == 0:
-            return None   # no graphs: decode_attention allocates scratch per call
-        num_seqs, num_heads, head_dim = q.shape
+            return None   # no graphs: the decode launch allocates scratch per call
         scratch = self._partials
-        if (scratch is None or scratch[0].shape[0] < num_seqs or scratch[0].device != q.device
+        if (scratch is None or scratch[0].shape[0] < num_seqs or scratch[0].device != device
                 or scratch[0].shape[1] != num_heads or scratch[0].shape[3] != head_dim
                 or scratch[2].shape[1] != num_kv_heads):
             rows = max(self._max_batch_size, num_seqs)
-            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, q.device)
+            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, device)
         return self._partials

@@ -5,6 +5,8 @@ token p of sequence s lives at block_table[s, p // block_size], offset p % block
 
 The torch oracle for every kernel is kestrel/attention/torch_ref.py. On CPU tensors the kernels only run under
 Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); that is how the CPU tests run them.
+The decode program's body (_decode_split) is shared with fused_decode.py, the attention prologue + decode in one
+launch (experiment, KESTREL_FUSED_DECODE_PROLOGUE=1).
 """
 from __future__ import annotations
 
@@ -167,6 +169,101 @@ def _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims
 
 
 @triton.jit
+def _decode_split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
+    """Split `split`'s slice [start, end) of a kv_len-token context, and how many splits are used (a prefix)."""
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
+    used_splits = tl.cdiv(kv_len, per_split)   # 0 when kv_len == 0
+    start = split * per_split
+    end = tl.minimum(start + per_split, kv_len)
+    return start, end, used_splits
+
+
+@triton.jit
+def _decode_split(
+    q, seq, kv_head, split, kv_len, start, end, used_splits,
+    k_cache_ptr, v_cache_ptr, block_table_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+    scale_log2,
+    stride_kc_block, stride_kc_off, stride_kc_head,
+    stride_vc_block, stride_vc_off, stride_vc_head,
+    stride_bt,
+    stride_os, stride_oh,
+    stride_po_s, stride_po_h, stride_po_split,
+    stride_pl_s, stride_pl_h,
+    stride_cnt_s,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, Q_IN_PARTIALS: tl.constexpr,
+):
+    """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
+    of kv_head, rows past GROUP zero) attends to keys start .. end - 1; then the output, or the partial and the
+    merge (comment above). Q_IN_PARTIALS: q was read from this program's own partial_out rows (fused_decode.py),
+    so every thread's q load must be done before the partial store overwrites them."""
+    rows = tl.arange(0, BLOCK_H)
+    heads = kv_head * GROUP + rows
+    row_mask = rows < GROUP
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    out_mask = row_mask[:, None] & dim_mask[None, :]
+    out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+    row_pos = tl.zeros([BLOCK_H], tl.int32) + (kv_len - 1)   # the single query sees the whole context
+
+    m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    l_i = tl.zeros([BLOCK_H], tl.float32)
+    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
+    table_row = block_table_ptr + seq * stride_bt
+    k_base = k_cache_ptr + kv_head * stride_kc_head
+    v_base = v_cache_ptr + kv_head * stride_vc_head
+    if INTERPRET:
+        n0 = start
+        while n0 < end:
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                         DOT_PRECISION)
+            n0 += BLOCK_N
+    else:
+        for n0 in range(start, end, BLOCK_N):
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                         DOT_PRECISION)
+
+    if used_splits == 1:   # the whole context in one program: no partials, no atomics
+        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+    else:
+        po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
+        pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
+        if Q_IN_PARTIALS:
+            tl.debug_barrier()   # all threads have read q from the rows the partial store below overwrites
+        tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
+        if MERGE:   # in this launch: the last split program to finish merges (else _decode_reduce_kernel)
+            # Every thread's partial stores must precede the (single-thread) release atomic below.
+            tl.debug_barrier()
+            counter = counter_ptr + seq * stride_cnt_s + kv_head
+            done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
+            if done == used_splits - 1:
+                out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
+                                    BLOCK_H, BLOCK_D, BLOCK_S)
+                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                # Every split has counted, so nothing else touches the counter in this launch; the next
+                # launch is stream-ordered after this one.
+                tl.store(counter, 0)
+
+
+@triton.jit
+def _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh,
+                        GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr):
+    """Output 0 for the GROUP heads of kv_head: a padded row (kv_len 0), written by its split 0."""
+    rows = tl.arange(0, BLOCK_H)
+    dims = tl.arange(0, BLOCK_D)
+    heads = kv_head * GROUP + rows
+    tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
+             tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty),
+             mask=(rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM))
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     counter_ptr,
@@ -190,65 +287,26 @@ def _decode_kernel(
     pdl_wait(USE_PDL)   # q, this step's K/V and the counters come from earlier kernels
 
     kv_len = tl.load(kv_lens_ptr + seq)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    used_splits = tl.cdiv(kv_len, per_split)   # 0 when kv_len == 0
-    start = split * per_split
-    end = tl.minimum(start + per_split, kv_len)
-    rows = tl.arange(0, BLOCK_H)
-    heads = kv_head * GROUP + rows
-    row_mask = rows < GROUP
-    dims = tl.arange(0, BLOCK_D)
-    dim_mask = dims < HEAD_DIM
-    out_mask = row_mask[:, None] & dim_mask[None, :]
-    out_ptrs = out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :]
+    start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
     if start < end:
-        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :], mask=out_mask, other=0.0)
+        rows = tl.arange(0, BLOCK_H)
+        heads = kv_head * GROUP + rows
+        dims = tl.arange(0, BLOCK_D)
+        q = tl.load(q_ptr + seq * stride_qs + heads[:, None] * stride_qh + dims[None, :],
+                    mask=(rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM), other=0.0)
         if DOT_FP32:
             q = q.to(tl.float32)
-        row_pos = tl.zeros([BLOCK_H], tl.int32) + (kv_len - 1)   # the single query sees the whole context
-
-        m_i = tl.full([BLOCK_H], float("-inf"), tl.float32)
-        l_i = tl.zeros([BLOCK_H], tl.float32)
-        acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-        table_row = block_table_ptr + seq * stride_bt
-        k_base = k_cache_ptr + kv_head * stride_kc_head
-        v_base = v_cache_ptr + kv_head * stride_vc_head
-        if INTERPRET:
-            n0 = start
-            while n0 < end:
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
-                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                             DOT_PRECISION)
-                n0 += BLOCK_N
-        else:
-            for n0 in range(start, end, BLOCK_N):
-                m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
-                                             stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                             dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                             DOT_PRECISION)
-
-        if used_splits == 1:   # the whole context in one program: no partials, no atomics
-            tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
-        else:
-            po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
-            pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
-            tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
-            tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
-            if MERGE:   # in this launch: the last split program to finish merges (else _decode_reduce_kernel)
-                # Every thread's partial stores must precede the (single-thread) release atomic below.
-                tl.debug_barrier()
-                counter = counter_ptr + seq * stride_cnt_s + kv_head
-                done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
-                if done == used_splits - 1:
-                    out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
-                                        BLOCK_H, BLOCK_D, BLOCK_S)
-                    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-                    # Every split has counted, so nothing else touches the counter in this launch; the next
-                    # launch is stream-ordered after this one.
-                    tl.store(counter, 0)
+        _decode_split(q, seq, kv_head, split, kv_len, start, end, used_splits,
+                      k_cache_ptr, v_cache_ptr, block_table_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
+                      scale_log2,
+                      stride_kc_block, stride_kc_off, stride_kc_head,
+                      stride_vc_block, stride_vc_off, stride_vc_head,
+                      stride_bt, stride_os, stride_oh,
+                      stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
+                      GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
+                      INTERPRET, MERGE, BLOCK_S, False)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
-        tl.store(out_ptrs, tl.zeros([BLOCK_H, BLOCK_D], tl.float32).to(out_ptr.dtype.element_ty), mask=out_mask)
+        _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 
 
 @triton.jit
@@ -345,21 +403,10 @@ def decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    if num_splits is None:
-        num_splits = default_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, q.device)
-    assert 1 <= num_splits <= MAX_DECODE_SPLITS, f"num_splits {num_splits} not in [1, {MAX_DECODE_SPLITS}]"
-    if partials is None:
-        partials = alloc_decode_partials(num_seqs, num_heads, num_kv_heads, head_dim, q.device)
+    num_splits, partials = decode_scratch(num_seqs, num_heads, num_kv_heads, head_dim, block_table, block_size,
+                                          q.device, num_splits, partials)
     part_out, part_lse, counters = partials
-    assert part_out.shape[0] >= num_seqs and part_out.shape[1:] == (num_heads, MAX_DECODE_SPLITS, head_dim)
-    assert counters.dtype == torch.int32 and counters.shape[0] >= num_seqs and counters.shape[1] == num_kv_heads \
-        and counters.stride(1) == 1, f"counters {tuple(counters.shape)} {counters.dtype} do not fit"
-
-    group = num_heads // num_kv_heads
-    tiles = _decode_tiles(q)
-    merge = merge_in_kernel()
-    block_h, block_d = max(16, triton.next_power_of_2(group)), triton.next_power_of_2(head_dim)
-    block_s = triton.next_power_of_2(num_splits)
+    meta = decode_meta(q, num_heads // num_kv_heads, head_dim, num_splits)
     pdl = launch_options(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, kv_lens, out, part_out, part_lse, counters,
@@ -372,22 +419,55 @@ def decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         counters.stride(0),
-        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles["BLOCK_N"],
-        BLOCK_SIZE=block_size, DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        MERGE=merge, BLOCK_S=block_s,
-        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"], **pdl,
+        BLOCK_SIZE=block_size, **meta, **pdl,
     )
-    if not merge:
-        _decode_reduce_kernel[(num_seqs, num_kv_heads)](
-            part_out, part_lse, kv_lens, out,
-            num_splits,
-            part_out.stride(0), part_out.stride(1), part_out.stride(2),
-            part_lse.stride(0), part_lse.stride(1),
-            out.stride(0), out.stride(1),
-            GROUP=group, HEAD_DIM=head_dim, BLOCK_H=block_h, BLOCK_D=block_d, BLOCK_N=tiles["BLOCK_N"],
-            BLOCK_S=block_s, num_warps=4, **pdl,
-        )
+    if not meta["MERGE"]:
+        decode_reduce(partials, kv_lens, out, num_splits, meta, pdl)
     return out
+
+
+def decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_table: torch.Tensor,
+                   block_size: int, device: torch.device, num_splits: int | None,
+                   partials: DecodeScratch | None) -> tuple[int, DecodeScratch]:
+    """The launch's split count (default_num_splits when None) and scratch (allocated when None), checked."""
+    if num_splits is None:
+        num_splits = default_num_splits(num_seqs, num_kv_heads, block_table.shape[1] * block_size, device)
+    assert 1 <= num_splits <= MAX_DECODE_SPLITS, f"num_splits {num_splits} not in [1, {MAX_DECODE_SPLITS}]"
+    if partials is None:
+        partials = alloc_decode_partials(num_seqs, num_heads, num_kv_heads, head_dim, device)
+    part_out, part_lse, counters = partials
+    assert part_out.shape[0] >= num_seqs and part_out.shape[1:] == (num_heads, MAX_DECODE_SPLITS, head_dim)
+    assert counters.dtype == torch.int32 and counters.shape[0] >= num_seqs and counters.shape[1] == num_kv_heads \
+        and counters.stride(1) == 1, f"counters {tuple(counters.shape)} {counters.dtype} do not fit"
+    return num_splits, partials
+
+
+def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int) -> dict:
+    """Compile-time parameters and launch options shared by every decode-kernel launch (q: any tensor of the
+    query dtype)."""
+    tiles = _decode_tiles(q)
+    return dict(
+        GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
+        DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
+        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits),
+        num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
+    )
+
+
+def decode_reduce(partials: DecodeScratch, kv_lens: torch.Tensor, out: torch.Tensor, num_splits: int,
+                  meta: dict, pdl: dict) -> None:
+    """The second launch of KESTREL_DECODE_MERGE=reduce: merge the partials of sequences that used > 1 split."""
+    part_out, part_lse, _ = partials
+    _decode_reduce_kernel[(out.shape[0], out.shape[1] // meta["GROUP"])](
+        part_out, part_lse, kv_lens, out,
+        num_splits,
+        part_out.stride(0), part_out.stride(1), part_out.stride(2),
+        part_lse.stride(0), part_lse.stride(1),
+        out.stride(0), out.stride(1),
+        GROUP=meta["GROUP"], HEAD_DIM=meta["HEAD_DIM"], BLOCK_H=meta["BLOCK_H"], BLOCK_D=meta["BLOCK_D"],
+        BLOCK_N=meta["BLOCK_N"], BLOCK_S=meta["BLOCK_S"], num_warps=4, **pdl,
+    )
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -29,6 +29,9 @@ reference is a pure function) and the attention kernels read a dense q.
 Numerics follow the references in fused_ops.py (HF's roundings): the norm rounds x * rstd to the model dtype,
 then the weight product; rotary casts cos/sin to the model dtype and rounds each product. Launched with PDL on Hopper
 (kestrel/layers/pdl.py). No host syncs: the wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
+
+Experiment (off by default): with KESTREL_FUSED_DECODE_PROLOGUE=1 a decode step skips this kernel and the Triton
+backend's decode_attention; kestrel/attention/fused_decode.py does both in one launch, reusing _norm_rotate_head.
 """
 from __future__ import annotations
 

@@ -45,6 +45,11 @@ class Attention(nn.Module):
             q_norm_w = self.q_norm.weight if self.q_norm is not None else None
             k_norm_w = self.k_norm.weight if self.k_norm is not None else None
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
+            if batch.is_decode and backend.decodes_from_qkv():   # prologue + decode in one launch (experiment)
+                out = backend.decode_from_qkv(qkv, q_norm_w, k_norm_w, eps, batch.positions,
+                                              self.rotary.cos_sin_cache, k_cache, v_cache, batch, self.num_heads,
+                                              self.num_kv_heads, self.head_dim, self.scale)
+                return out.reshape(-1, self.q_size)
             q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                               self.head_dim)
