@@ -40,7 +40,7 @@ from kestrel.attention.triton_kernels import (
     LOG2E, _check_cache, _decode_split, _decode_split_range, _decode_zero_output, decode_meta, decode_reduce,
     decode_scratch,
 )
-from kestrel.layers.attention_prologue import _norm_rotate_head
+from kestrel.layers.attention_prologue import _norm_rotate_head, write_new_kv
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 
@@ -93,19 +93,9 @@ def _decode_from_qkv_kernel(
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         if slot >= 0:   # slot -1 marks padding: nothing to write
             cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF)
-            k1, k2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols,
-                                       mask, HAS_K_NORM, HEAD_DIM, HALF)
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
-            k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
-            tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-            v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
-            v1 = tl.load(v_src + cols, mask=mask, other=0.0)
-            v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
-            tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
+                         stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
+                         stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM)
 
     if start < end:
         # q of the GROUP heads, rounded to the model dtype like the prologue's q, into this program's own rows of

@@ -87,6 +87,28 @@ def _norm_rotate_head(src, weight_ptr, cos, sin, eps, cols, mask,
 
 
 @triton.jit
+def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
+                 stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
+                 NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
+                 BLOCK_SIZE: tl.constexpr, HAS_K_NORM: tl.constexpr):
+    """k head kv_head of the qkv row at `row`, normalised and rotated, and the matching v head, into the caches at
+    `slot` (>= 0). Also used by the fused decode kernel (attention/fused_decode.py)."""
+    k1, k2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
+                               HAS_K_NORM, HEAD_DIM, HALF)
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
+    tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
+    v1 = tl.load(v_src + cols, mask=mask, other=0.0)
+    v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
+    tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _qk_norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, q_norm_ptr, k_norm_ptr, positions_ptr, cos_sin_ptr,
     k_cache_ptr, v_cache_ptr, slot_ptr,
@@ -117,19 +139,9 @@ def _qk_norm_rope_store_kernel(
         kv_head = head - NUM_HEADS
         slot = tl.load(slot_ptr + token).to(tl.int64)
         if slot >= 0:   # slot -1 marks padding: nothing to write
-            out1, out2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps,
-                                           cols, mask, HAS_K_NORM, HEAD_DIM, HALF)
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
-            k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
-            tl.store(k_dst + cols, out1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_dst + HALF + cols, out2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-            v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
-            v1 = tl.load(v_src + cols, mask=mask, other=0.0)
-            v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
-            tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
+                         stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
+                         stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
