@@ -33,12 +33,12 @@ fi
 if [[ $STAGES == *" profile "* ]]; then
   step "skinny matmul kernels vs cuBLAS"
   timeout 120 python3 -m benchmarks.gemv_bench --out "$OUT/gemv_bench.json" 2>> "$LOG" | tee -a "$LOG"
-  step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch off in turn"
+  step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch flipped in turn"
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
-  for off in ${PROFILE_AB:-KESTREL_PDL=0 KESTREL_DECODE_MERGE=reduce KESTREL_SKINNY_MATMUL=0}; do
-    echo "--- $off" | tee -a "$LOG"
-    env "$off" timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models ${PROFILE_MODELS:-qwen3-0.6b} \
+  for switch in ${PROFILE_AB:-KESTREL_FUSED_DECODE_PROLOGUE=1 KESTREL_PDL=0 KESTREL_DECODE_MERGE=reduce KESTREL_SKINNY_MATMUL=0}; do
+    echo "--- $switch" | tee -a "$LOG"
+    env "$switch" timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models ${PROFILE_MODELS:-qwen3-0.6b} \
       2>> "$LOG" | grep -E "^##|engine.step" | tee -a "$LOG"
   done
 fi
