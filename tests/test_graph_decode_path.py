@@ -67,3 +67,40 @@ def test_prefill_buckets_fit_the_block_table(checkpoint_factory):
     graphs = PrefillGraphRunner(runner, max_blocks_per_seq=10, max_tokens=8192)
     assert graphs.buckets == [16, 32]             # 40-token context: 64+ token buckets cannot exist
     graphs.capture(dry_run=True)
+
+
+def test_fixed_query_length_runner_verifies_drafts_like_speculative_decoding(checkpoint_factory):
+    """A runner of Q = 3 query tokens per sequence (a verify step: last token + 2 drafts), body run eagerly on the
+    CPU: fed each sequence's true greedy continuation as drafts, its argmax at every query token is the next true
+    token, and its logits equal a plain forward of the same tokens. Batch 3 pads to the 4-row bucket."""
+    import torch
+
+    from kestrel.engine.batch import build_forward_batch
+    path = str(checkpoint_factory("llama"))
+    kw = dict(device="cpu", block_size=4, disable_prefix_cache=True)
+    prompts = PROMPTS[:3]
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    truth = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
+
+    llm = LLM(model=path, **kw)
+    engine, runner = llm.engine, llm.engine.runner
+    q = 3
+    graphs = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=64, max_rows=8, query_len=q)
+    seqs = []
+    for i, prompt in enumerate(prompts):   # prefill each prompt: its first output token is not in the cache yet
+        engine.add_request(f"r{i}", llm.tokenizer.encode(prompt), params)
+        seqs.append(engine.sequences(f"r{i}")[0])
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()
+    for seq, want in zip(seqs, truth):
+        assert seq.output_token_ids == want[:1] and not seq.is_finished
+        need = -(-(seq.num_tokens - 1 + q) // engine.pool.block_size) - len(seq.block_ids)
+        seq.block_ids.extend(engine.pool.allocate(need))
+    queries = [[t[0], t[1], t[2]] for t in truth]
+    logits, tokens = graphs.launch_queries(seqs, queries)
+    assert tokens.view(len(seqs), q).tolist() == [t[1:4] for t in truth]
+
+    batch = build_forward_batch(queries, [seq.num_tokens - 1 for seq in seqs], [seq.block_ids for seq in seqs],
+                                engine.pool.block_size)
+    batch.logits_at = torch.arange(len(seqs) * q)
+    torch.testing.assert_close(logits, runner.forward(batch).logits, atol=1e-5, rtol=1e-5)

@@ -4,7 +4,9 @@ On a slow host every CUDA call (a copy, a launch) costs tens of microseconds, so
 one host-to-device copy of a packed input buffer, one graph replay, one device-to-host copy of the tokens.
 
 One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to --cuda-graph-max-bs), captured largest
-first so all graphs share one memory pool. Rows past the real batch size are padding.
+first so all graphs share one memory pool. Rows past the real batch size are padding. A runner captures steps of
+a fixed number Q of query tokens per sequence: Q = 1 for decode (the engine's runner); Q = k + 1 for a speculative
+verify step (the last token plus k drafts, `launch_queries`), whose tokens sit at consecutive positions.
 
 Block tables live on the device across steps ("persistent rows"): each running sequence owns a row of
 
@@ -13,9 +15,11 @@ Block tables live on the device across steps ("persistent rows"): each running s
 and a step only ships the blocks appended since the sequence's last graph step, as (row, col, block) triples
 that the graph scatters into `tables` before gathering the batch's rows. The packed input buffer (int64):
 
-    | prev_tokens [B] | input_ids [B] | input_src [B] | positions [B] | slot_mapping [B] | kv_lens [B] | rows [B] |
-    | upd_rows [U] | upd_cols [U] | upd_vals [U] |
-      padding rows: token 0, position 0, slot -1 (no KV write), kv_len 1, row = dummy; padding updates hit the dummy row
+    | prev_tokens [B*Q] | input_ids [B*Q] | input_src [B*Q] | positions [B*Q] | slot_mapping [B*Q] |
+    | kv_lens [B] | rows [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+      token j of row i is entry i * Q + j of the per-token fields
+      padding rows: tokens 0, positions 0, slots -1 (no KV write), kv_len Q, row = dummy; padding updates hit the
+      dummy row
 
 `prev_tokens` is never copied from the host: the graph writes its argmax there, and the next step's rows gather
 their input token through `input_src`, an index into the packed buffer that points either at the row's own
@@ -61,9 +65,10 @@ class _RowState:
 
 
 class CudaGraphRunner:
-    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int) -> None:
+    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int, query_len: int = 1) -> None:
         self.runner = runner
         self.max_bs = max_bs
+        self.query_len = q = query_len
         self.buckets = batch_size_buckets(max_bs)
         self.max_updates = 2 * max_bs
         self.max_rows = max_rows
@@ -71,24 +76,26 @@ class CudaGraphRunner:
         device = runner.device
         self.tables = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int64, device=device)
         b, u = max_bs, self.max_updates
-        names = ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping", "kv_lens", "rows")
-        self.layout = {name: (i * b, b) for i, name in enumerate(names)}
-        self.layout.update({"upd_rows": (7 * b, u), "upd_cols": (7 * b + u, u), "upd_vals": (7 * b + 2 * u, u)})
-        size = 7 * b + 3 * u
-        self.host_start = b   # the host's part of the buffer starts after prev_tokens
+        fields = [(name, b * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
+        fields += [("kv_lens", b), ("rows", b), ("upd_rows", u), ("upd_cols", u), ("upd_vals", u)]
+        self.layout, size = {}, 0
+        for name, n in fields:
+            self.layout[name] = (size, n)
+            size += n
+        self.host_start = b * q   # the host's part of the buffer starts after prev_tokens
         # Two pinned input buffers and two token buffers, used in turn: the input copy out of one may still be
         # queued behind the GPU's current step when the host fills the next step's inputs, and step k's tokens are
         # read after step k + 1 is launched (the overlap schedule). Launch k uses pair k % 2; at most one launch is
         # ever unread, so when launch k + 2 comes, step k has been read back and both its copies are done.
         pin = device.type == "cuda"   # pinned: the copies are truly async
         self.host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
-        self.token_buffers = [torch.zeros(max_bs, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self.token_buffers = [torch.zeros(max_bs * q, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self._turn = 0
         self.host = self.host_buffers[0]
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
-        self.query_start_loc = torch.arange(0, max_bs + 1, dtype=torch.int64, device=device)
-        self.logits_at = torch.arange(max_bs, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(0, max_bs * q + 1, q, dtype=torch.int64, device=device)
+        self.logits_at = torch.arange(max_bs * q, dtype=torch.int64, device=device)
         self.max_kv_len = max_blocks_per_seq * runner.block_size
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
@@ -106,23 +113,26 @@ class CudaGraphRunner:
         return self.dev[start:start + (size if n is None else n)]
 
     def _graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        n = bs * self.query_len   # query tokens
         upd_rows, upd_cols, upd_vals = self._view("upd_rows"), self._view("upd_cols"), self._view("upd_vals")
         self.tables.index_put_((upd_rows, upd_cols), upd_vals)
         block_table = self.tables.index_select(0, self._view("rows", bs))
-        input_ids = self.dev.index_select(0, self._view("input_src", bs))
+        input_ids = self.dev.index_select(0, self._view("input_src", n))
         batch = ForwardBatch(
-            input_ids=input_ids, positions=self._view("positions", bs),
+            input_ids=input_ids, positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
-            block_table=block_table, slot_mapping=self._view("slot_mapping", bs), logits_at=self.logits_at[:bs],
-            max_query_len=1, max_kv_len=self.max_kv_len,
+            block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=self.logits_at[:n],
+            max_query_len=self.query_len, max_kv_len=self.max_kv_len,
         )
         logits = self.runner.forward_eager(batch).logits
-        return logits, torch.argmax(logits, dim=-1, out=self._view("prev_tokens", bs))
+        return logits, torch.argmax(logits, dim=-1, out=self._view("prev_tokens", n))
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
         runner = self.runner
-        runner.backend.init_graph_buffers(self.max_bs, self.tables.shape[1], runner.device)
+        if self.query_len == 1:   # the backend's decode scratch; a verify runner (extend kernels) needs none, and
+            # re-initialising would reallocate the scratch that the decode graphs already point at
+            runner.backend.init_graph_buffers(self.max_bs, self.tables.shape[1], runner.device)
         self.dev[self.host_start:].copy_(self.host[self.host_start:])
         torch.cuda.synchronize()
         free_before = torch.cuda.mem_get_info()[0]
@@ -151,13 +161,16 @@ class CudaGraphRunner:
         self.host_np = self.host.numpy()
 
     def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
-        h, L = self.host_np, self.layout
-        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1), ("kv_lens", 1),
-                            ("rows", self.dummy_row)):
+        """Rows start .. stop - 1 become padding (their tokens at start * Q .. stop * Q - 1)."""
+        h, L, q = self.host_np, self.layout, self.query_len
+        for name, value in (("input_ids", 0), ("positions", 0), ("slot_mapping", -1)):
+            base = L[name][0]
+            h[base + start * q:base + stop * q] = value
+        for name, value in (("kv_lens", q), ("rows", self.dummy_row)):   # kv_len Q: every query sees a key
             base = L[name][0]
             h[base + start:base + stop] = value
         base = L["input_src"][0]
-        h[base + start:base + stop] = range(L["input_ids"][0] + start, L["input_ids"][0] + stop)
+        h[base + start * q:base + stop * q] = range(L["input_ids"][0] + start * q, L["input_ids"][0] + stop * q)
         for name, value in (("upd_rows", self.dummy_row), ("upd_cols", 0), ("upd_vals", 0)):
             base, size = L[name]
             h[base + upd_start:base + size] = value
@@ -193,20 +206,54 @@ class CudaGraphRunner:
     @torch.inference_mode()
     def launch(self, seqs: list[Sequence], prev_rows: dict[int, int] | None = None
                ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue one decode step without waiting for it: (logits [bs, vocab], argmax tokens [bs]) on the device,
-        valid until the next launch. A sequence whose last token is still a placeholder (< 0, see
+        """Queue one decode step (Q = 1) without waiting for it: (logits [bs, vocab], argmax tokens [bs]) on the
+        device, valid until the next launch. A sequence whose last token is still a placeholder (< 0, see
         engine/overlap.py) takes its input from row prev_rows[seq_id] of the previous launch's tokens."""
+        assert self.query_len == 1, "decode launches need a runner of one query token per sequence"
         bs = len(seqs)
-        bucket = next(b for b in self.buckets if b >= bs)
         self._next_host_buffer()
-        h, L, block_size = self.host_np, self.layout, self.runner.block_size
-        updates: list[tuple[int, int, int]] = []
-        srcs, positions, slots, rows = [], [], [], []
+        h, L = self.host_np, self.layout
         ids = h[L["input_ids"][0]:L["input_ids"][0] + bs]
         ids_at, prev_at = L["input_ids"][0], L["prev_tokens"][0]
-        row_of = self.row_of
+        srcs = []
         for i, seq in enumerate(seqs):
-            pos = seq.num_tokens - 1
+            out = seq.output_token_ids
+            token = out[-1] if out else seq.prompt_token_ids[-1]
+            if token >= 0:
+                ids[i] = token
+                srcs.append(ids_at + i)
+            else:
+                srcs.append(prev_at + prev_rows[seq.seq_id])
+        base = L["input_src"][0]
+        h[base:base + bs] = srcs
+        return self._launch_rows(seqs, [seq.num_tokens - 1 for seq in seqs])
+
+    @torch.inference_mode()
+    def launch_queries(self, seqs: list[Sequence], queries: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queue a step of Q query tokens per sequence (a speculative verify step: the last token and Q - 1
+        drafts) at positions num_tokens - 1 .. num_tokens + Q - 2, whose blocks the caller has allocated:
+        (logits [bs * Q, vocab], argmax tokens [bs * Q]) on the device, row-major, valid until the next launch."""
+        q, bs = self.query_len, len(seqs)
+        assert all(len(tokens) == q for tokens in queries), f"this runner captures {q} query tokens per sequence"
+        self._next_host_buffer()
+        h, L = self.host_np, self.layout
+        ids_at = L["input_ids"][0]
+        h[ids_at:ids_at + bs * q] = [token for tokens in queries for token in tokens]
+        base = L["input_src"][0]
+        h[base:base + bs * q] = range(ids_at, ids_at + bs * q)
+        return self._launch_rows(seqs, [seq.num_tokens - 1 for seq in seqs])
+
+    def _launch_rows(self, seqs: list[Sequence], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of a launch, its query tokens already in this turn's host buffer: sequence i's tokens sit at
+        positions starts[i] .. starts[i] + Q - 1. Positions, slots, kv_lens, block-table rows and updates, padding,
+        one copy, one replay."""
+        q, bs = self.query_len, len(seqs)
+        bucket = next(b for b in self.buckets if b >= bs)
+        h, L, block_size = self.host_np, self.layout, self.runner.block_size
+        updates: list[tuple[int, int, int]] = []
+        positions, slots, rows, kv_lens = [], [], [], []
+        row_of = self.row_of
+        for seq, start in zip(seqs, starts):
             blocks = seq.block_ids
             state = row_of.get(seq.seq_id)
             if state is None or state.written != len(blocks) or state.generation != seq.num_preemptions \
@@ -216,23 +263,15 @@ class CudaGraphRunner:
                     updates.append((state.row, col, blocks[col]))
                 state.written = len(blocks)
                 state.last_block = blocks[-1]
-            out = seq.output_token_ids
-            token = out[-1] if out else seq.prompt_token_ids[-1]
-            if token >= 0:
-                ids[i] = token
-                srcs.append(ids_at + i)
-            else:
-                srcs.append(prev_at + prev_rows[seq.seq_id])
-            positions.append(pos)
-            slots.append(blocks[pos // block_size] * block_size + pos % block_size)
+            for pos in range(start, start + q):
+                positions.append(pos)
+                slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             rows.append(state.row)
-        for name, values in (("input_src", srcs), ("positions", positions), ("slot_mapping", slots),
-                             ("rows", rows)):
+            kv_lens.append(start + q)
+        for name, values in (("positions", positions), ("slot_mapping", slots), ("rows", rows),
+                             ("kv_lens", kv_lens)):
             base = L[name][0]
-            h[base:base + bs] = values
-        base = L["kv_lens"][0]
-        h[base:base + bs] = positions
-        h[base:base + bs] += 1
+            h[base:base + len(values)] = values
         inline = updates[: self.max_updates]
         if len(updates) > self.max_updates:   # e.g. the first decode after a large prefill: write the rest now
             rest = torch.tensor(updates[self.max_updates:], dtype=torch.int64).to(self.runner.device)
@@ -248,7 +287,7 @@ class CudaGraphRunner:
             logits, tokens = self.outputs[bucket]
         else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
             logits, tokens = self._graph_body(bucket)
-        return logits[:bs], tokens[:bs]
+        return logits[: bs * q], tokens[: bs * q]
 
     def read_back_async(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Queue the copy of the last launch's tokens into this turn's pinned buffer: (host buffer, event recorded
