@@ -19,6 +19,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 
 # STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
 #   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
+#   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
 if [[ $STAGES == *" tests "* ]]; then
@@ -29,6 +30,10 @@ if [[ $STAGES == *" tests "* ]]; then
       -p no:cacheprovider $f ${GPU_TEST_ARGS:-} >> "$LOG" 2>&1; echo "$f exit $?" | tee -a "$LOG"
     tail -1 "$LOG"
   done
+fi
+if [[ $STAGES == *" ops "* ]]; then
+  step "fused elementwise ops: Triton vs torch.compile vs eager (inside CUDA graphs)"
+  timeout ${OPS_TIMEOUT:-300} python3 -m benchmarks.fused_ops_bench --out "$OUT/fused_ops.json" 2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   step "skinny matmul kernels vs cuBLAS"
