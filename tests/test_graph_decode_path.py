@@ -69,38 +69,45 @@ def test_prefill_buckets_fit_the_block_table(checkpoint_factory):
     graphs.capture(dry_run=True)
 
 
-def test_fixed_query_length_runner_verifies_drafts_like_speculative_decoding(checkpoint_factory):
-    """A runner of Q = 3 query tokens per sequence (a verify step: last token + 2 drafts), body run eagerly on the
-    CPU: fed each sequence's true greedy continuation as drafts, its argmax at every query token is the next true
-    token, and its logits equal a plain forward of the same tokens. Batch 3 pads to the 4-row bucket."""
+def check_verify_step(llm, graphs: CudaGraphRunner, prompts: list[str], truth: list[list[int]], atol: float) -> None:
+    """Prefill the prompts (a greedy SamplingParams of >= 4 tokens), then run one verify step through `graphs`
+    (Q = 3: each sequence's first output token plus the next two true tokens as drafts). The argmax at every query
+    must be the next true token and the logits those of a plain forward of the same tokens."""
     import torch
 
     from kestrel.engine.batch import build_forward_batch
+    engine, runner, q = llm.engine, llm.engine.runner, graphs.query_len
+    params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
+    seqs = []
+    for i, prompt in enumerate(prompts):   # prefill each prompt: its first output token is not in the cache yet
+        engine.add_request(f"verify{i}", llm.tokenizer.encode(prompt), params)
+        seqs.append(engine.sequences(f"verify{i}")[0])
+    while any(seq.num_output_tokens == 0 for seq in seqs):
+        engine.step()
+    engine._resolve_inflight()   # the overlap schedule may hold a launched step: make every token real
+    for seq, want in zip(seqs, truth):
+        del seq.output_token_ids[1:]   # and forget it: the verify step starts after the first output token
+        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens - 1)
+        assert seq.output_token_ids == want[:1] and not seq.is_finished
+        need = -(-(seq.num_tokens - 1 + q) // engine.pool.block_size) - len(seq.block_ids)
+        seq.block_ids.extend(engine.pool.allocate(max(need, 0)))
+    queries = [t[:q] for t in truth]
+    logits, tokens = graphs.launch_queries(seqs, queries)
+    assert tokens.view(len(seqs), q).tolist() == [t[1:q + 1] for t in truth]
+    batch = build_forward_batch(queries, [seq.num_tokens - 1 for seq in seqs], [seq.block_ids for seq in seqs],
+                                engine.pool.block_size)
+    batch.logits_at = torch.arange(len(seqs) * q, device=logits.device)
+    torch.testing.assert_close(logits, runner.forward(batch).logits, atol=atol, rtol=atol)
+
+
+def test_fixed_query_length_runner_verifies_drafts_like_speculative_decoding(checkpoint_factory):
+    """A runner of Q = 3 query tokens per sequence (a verify step: last token + 2 drafts), body run eagerly on the
+    CPU, fed each sequence's true greedy continuation as drafts. Batch 3 pads to the 4-row bucket."""
     path = str(checkpoint_factory("llama"))
     kw = dict(device="cpu", block_size=4, disable_prefix_cache=True)
     prompts = PROMPTS[:3]
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     truth = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-
     llm = LLM(model=path, **kw)
-    engine, runner = llm.engine, llm.engine.runner
-    q = 3
-    graphs = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=64, max_rows=8, query_len=q)
-    seqs = []
-    for i, prompt in enumerate(prompts):   # prefill each prompt: its first output token is not in the cache yet
-        engine.add_request(f"r{i}", llm.tokenizer.encode(prompt), params)
-        seqs.append(engine.sequences(f"r{i}")[0])
-    while any(seq.num_output_tokens == 0 for seq in seqs):
-        engine.step()
-    for seq, want in zip(seqs, truth):
-        assert seq.output_token_ids == want[:1] and not seq.is_finished
-        need = -(-(seq.num_tokens - 1 + q) // engine.pool.block_size) - len(seq.block_ids)
-        seq.block_ids.extend(engine.pool.allocate(need))
-    queries = [[t[0], t[1], t[2]] for t in truth]
-    logits, tokens = graphs.launch_queries(seqs, queries)
-    assert tokens.view(len(seqs), q).tolist() == [t[1:4] for t in truth]
-
-    batch = build_forward_batch(queries, [seq.num_tokens - 1 for seq in seqs], [seq.block_ids for seq in seqs],
-                                engine.pool.block_size)
-    batch.logits_at = torch.arange(len(seqs) * q)
-    torch.testing.assert_close(logits, runner.forward(batch).logits, atol=1e-5, rtol=1e-5)
+    graphs = CudaGraphRunner(llm.engine.runner, max_bs=4, max_blocks_per_seq=64, max_rows=8, query_len=3)
+    check_verify_step(llm, graphs, prompts, truth, atol=1e-5)
