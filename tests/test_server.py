@@ -321,22 +321,28 @@ def test_200_concurrent_streams_with_a_quarter_disconnecting_leave_no_kv_blocks_
         async with httpx.AsyncClient(timeout=120, limits=limits) as client:
             return await asyncio.gather(*(one(client, i) for i in range(200)))
 
-    aborted_before = metric(server.url, "kestrel:request_success_total", finished_reason="abort")
+    def finished(reason: str | None = None) -> float:
+        labels = {"finished_reason": reason} if reason else {}
+        return metric(server.url, "kestrel:request_success_total", **labels)
+
+    finished_before, aborted_before = finished(), finished("abort")
     results = asyncio.run(go())
     assert results.count("left") == 50 and results.count("done") == 150
     deadline = time.monotonic() + 30
 
-    def aborted() -> float:
-        return metric(server.url, "kestrel:request_success_total", finished_reason="abort") - aborted_before
-    while time.monotonic() < deadline:   # the abort counter moves when the server handles the engine's update
+    while time.monotonic() < deadline:   # the counters move when the server handles the engine's updates
         stats = server.engine.stats()
-        if stats.num_running == stats.num_waiting == stats.num_used_blocks == 0 and aborted() == 50:
+        if stats.num_running == stats.num_waiting == stats.num_used_blocks == 0 \
+                and finished() - finished_before == 200:
             break
         time.sleep(0.1)
     stats = server.engine.stats()
     assert (stats.num_running, stats.num_waiting, stats.num_used_blocks) == (0, 0, 0)
     assert metric(server.url, "kestrel:kv_cache_usage_perc") == 0.0
-    assert aborted() == 50
+    assert finished() - finished_before == 200   # every request counted once
+    # A leaver is aborted when the server sees its connection close; on a loaded 2-core box a leaver can reach
+    # its 200th token first (seen once: 48 of 50), which is a normal finish, not a leak.
+    assert 40 <= finished("abort") - aborted_before <= 50
     assert server.engine.num_in_flight() == 0
 
 
