@@ -40,21 +40,13 @@ from kestrel.attention.triton_kernels import (
     LOG2E, _check_cache, _decode_split, _decode_split_range, _decode_zero_output, decode_meta, decode_reduce,
     decode_scratch,
 )
-from kestrel.layers.attention_prologue import _norm_rotate_head, write_new_kv
+from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at, write_new_kv
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 
 def fused_decode_enabled() -> bool:
     """KESTREL_FUSED_DECODE_PROLOGUE=1 turns the one-launch prologue + decode on (default off: an experiment)."""
     return os.environ.get("KESTREL_FUSED_DECODE_PROLOGUE", "0") == "1"
-
-
-@triton.jit
-def _cos_sin(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF: tl.constexpr):
-    pos = tl.load(positions_ptr + seq).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=mask, other=0.0)
-    return cos, sin
 
 
 @triton.jit
@@ -87,12 +79,12 @@ def _decode_from_qkv_kernel(
     cols = tl.arange(0, BLOCK_HALF)
     mask = cols < HALF
     row = qkv_ptr + seq.to(tl.int64) * stride_qkv
+    cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF)
 
     # The new token (position kv_len - 1) lies in the last used split; with kv_len == 0 split 0 stands in.
     if split == tl.maximum(used_splits - 1, 0):
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         if slot >= 0:   # slot -1 marks padding: nothing to write
-            cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF)
             write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
                          stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
                          stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM)
@@ -100,7 +92,6 @@ def _decode_from_qkv_kernel(
     if start < end:
         # q of the GROUP heads, rounded to the model dtype like the prologue's q, into this program's own rows of
         # partial_out (split `split`); _decode_split overwrites them with the partial only after a barrier.
-        cos, sin = _cos_sin(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF)
         q_rows = part_out_ptr + seq * stride_po_s + split * stride_po_split
         for h in tl.static_range(GROUP):
             head = kv_head * GROUP + h

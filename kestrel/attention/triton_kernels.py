@@ -324,9 +324,7 @@ def _decode_reduce_kernel(
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     pdl_wait(USE_PDL)
-    kv_len = tl.load(kv_lens_ptr + seq)
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
-    used_splits = tl.cdiv(kv_len, per_split)
+    _, _, used_splits = _decode_split_range(tl.load(kv_lens_ptr + seq), 0, num_splits, BLOCK_N)
     if used_splits > 1:
         rows = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + rows

@@ -226,7 +226,7 @@ class CudaGraphRunner:
                 srcs.append(prev_at + prev_rows[seq.seq_id])
         base = L["input_src"][0]
         h[base:base + bs] = srcs
-        return self._launch_rows(seqs, [seq.num_tokens - 1 for seq in seqs])
+        return self._launch_rows(seqs)
 
     @torch.inference_mode()
     def launch_queries(self, seqs: list[Sequence], queries: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -241,11 +241,11 @@ class CudaGraphRunner:
         h[ids_at:ids_at + bs * q] = [token for tokens in queries for token in tokens]
         base = L["input_src"][0]
         h[base:base + bs * q] = range(ids_at, ids_at + bs * q)
-        return self._launch_rows(seqs, [seq.num_tokens - 1 for seq in seqs])
+        return self._launch_rows(seqs)
 
-    def _launch_rows(self, seqs: list[Sequence], starts: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of a launch, its query tokens already in this turn's host buffer: sequence i's tokens sit at
-        positions starts[i] .. starts[i] + Q - 1. Positions, slots, kv_lens, block-table rows and updates, padding,
+    def _launch_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rest of a launch, its query tokens already in this turn's host buffer: a sequence's tokens sit at
+        positions num_tokens - 1 .. num_tokens + Q - 2. Positions, slots, kv_lens, block-table rows and updates, padding,
         one copy, one replay."""
         q, bs = self.query_len, len(seqs)
         bucket = next(b for b in self.buckets if b >= bs)
@@ -253,7 +253,8 @@ class CudaGraphRunner:
         updates: list[tuple[int, int, int]] = []
         positions, slots, rows, kv_lens = [], [], [], []
         row_of = self.row_of
-        for seq, start in zip(seqs, starts):
+        for seq in seqs:
+            start = seq.num_tokens - 1
             blocks = seq.block_ids
             state = row_of.get(seq.seq_id)
             if state is None or state.written != len(blocks) or state.generation != seq.num_preemptions \

@@ -87,6 +87,15 @@ def _norm_rotate_head(src, weight_ptr, cos, sin, eps, cols, mask,
 
 
 @triton.jit
+def cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HALF: tl.constexpr):
+    """The rotary cos and sin halves [BLOCK_HALF] (fp32) at the position of `token`."""
+    pos = tl.load(positions_ptr + token).to(tl.int64)
+    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=mask, other=0.0)
+    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=mask, other=0.0)
+    return cos, sin
+
+
+@triton.jit
 def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
                  stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -125,9 +134,7 @@ def _qk_norm_rope_store_kernel(
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
     mask = cols < HALF
-    pos = tl.load(positions_ptr + token).to(tl.int64)
-    cos = tl.load(cos_sin_ptr + pos * stride_cos_sin + cols, mask=mask, other=0.0)
-    sin = tl.load(cos_sin_ptr + pos * stride_cos_sin + HALF + cols, mask=mask, other=0.0)
+    cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HALF)
     row = qkv_ptr + token * stride_qkv
     if head < NUM_HEADS:
         out1, out2 = _norm_rotate_head(row + head * HEAD_DIM, q_norm_ptr, cos, sin, eps, cols, mask,
