@@ -16,6 +16,9 @@ from kestrel.engine.batch import ForwardBatch
 from kestrel.errors import KestrelError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
+# FlashInfer's "auto" picks its FA3 prefill on Hopper without looking at the head size, and FA3 is only built for
+# these (session 4 on the H200: head_dim 16 failed a static assertion in nvcc); others take the FA2 kernels.
+FA3_HEAD_DIMS = (64, 128, 256)
 
 
 def _import_flashinfer():
@@ -52,11 +55,12 @@ class FlashInferAttentionBackend(AttentionBackend):
     @torch.inference_mode()   # the wrappers' buffers are made and refilled under it, whoever calls forward
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         device = q.device
+        page_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
-        page_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+                self._workspace, "NHD", backend="auto" if head_dim in FA3_HEAD_DIMS else "fa2")
         num_heads = q.shape[1]
         kv_lens = batch.kv_lens.to(device=device, dtype=torch.int32)
         pages_per_seq = (kv_lens + page_size - 1) // page_size
