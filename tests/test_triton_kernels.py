@@ -289,3 +289,15 @@ def test_select_backend_defaults_to_torch_on_cpu_and_refuses_gpu_backends():
             select_backend(name, "cpu")
     with pytest.raises(KestrelError, match="'bogus'.*torch, triton, flashinfer"):
         select_backend("bogus", "cpu")
+
+
+def test_flashinfer_backend_refuses_head_sizes_it_cannot_run():
+    """FlashInfer 0.5's prefill fails to build (FA3) or faults (FA2, flashinfer#4299) for head sizes other than
+    64/128/256: the backend says so before launching anything."""
+    from kestrel.attention.flashinfer_backend import check_head_dim
+    from kestrel.errors import KestrelError
+    for ok in (64, 128, 256):
+        check_head_dim(ok)
+    for bad in (16, 80, 96):
+        with pytest.raises(KestrelError, match=f"head_dim .*has {bad}; choose --attention-backend triton"):
+            check_head_dim(bad)

@@ -16,9 +16,10 @@ from kestrel.engine.batch import ForwardBatch
 from kestrel.errors import KestrelError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
-# FlashInfer's "auto" picks its FA3 prefill on Hopper without looking at the head size, and FA3 is only built for
-# these (session 4 on the H200: head_dim 16 failed a static assertion in nvcc); others take the FA2 kernels.
-FA3_HEAD_DIMS = (64, 128, 256)
+# Head sizes FlashInfer 0.5 runs correctly. Its FA3 prefill (picked on Hopper) fails a static assertion in nvcc for
+# others (head_dim 16 on the H200, session 4), and its FA2 prefill faults or silently computes wrong results for
+# sizes not a multiple of 64 (flashinfer-ai/flashinfer#4299): refuse them with a clear error instead.
+SUPPORTED_HEAD_DIMS = (64, 128, 256)
 
 
 def _import_flashinfer():
@@ -28,6 +29,12 @@ def _import_flashinfer():
         raise KestrelError(f"attention backend 'flashinfer' needs the 'flashinfer-python' package, which failed "
                            f"to import ({exc}); install it or choose --attention-backend triton") from exc
     return flashinfer
+
+
+def check_head_dim(head_dim: int) -> None:
+    if head_dim not in SUPPORTED_HEAD_DIMS:
+        raise KestrelError(f"attention backend 'flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS}, this model has "
+                           f"{head_dim}; choose --attention-backend triton")
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -56,11 +63,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     def _plan(self, batch: ForwardBatch, q: torch.Tensor, k_cache: torch.Tensor, scale: float) -> None:
         device = q.device
         page_size, num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2], k_cache.shape[3]
+        check_head_dim(head_dim)
         if self._workspace is None or self._workspace.device != device:
             self._workspace = torch.empty(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
             self._decode = self._flashinfer.BatchDecodeWithPagedKVCacheWrapper(self._workspace, "NHD")
-            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-                self._workspace, "NHD", backend="auto" if head_dim in FA3_HEAD_DIMS else "fa2")
+            self._prefill = self._flashinfer.BatchPrefillWithPagedKVCacheWrapper(self._workspace, "NHD")
         num_heads = q.shape[1]
         kv_lens = batch.kv_lens.to(device=device, dtype=torch.int32)
         pages_per_seq = (kv_lens + page_size - 1) // page_size
