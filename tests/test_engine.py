@@ -168,3 +168,21 @@ def test_generate_cli_reports_bad_model_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "generate", "--model", str(tmp_path),
                            "--prompt", "x"], capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "config.json" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_activation_profile_batch_stays_within_the_models_positions(checkpoint_factory):
+    """KV-cache sizing runs the largest step (max_num_batched_tokens prompt tokens) before the cache exists. As one
+    sequence it put 8192 positions through the default model's 2048-row rotary table (an illegal memory access on
+    the H200); it is now split into sequences of at most max_model_len, and a real forward accepts it."""
+    from kestrel.config import EngineConfig
+    from kestrel.engine.setup import activation_profile_batch, build_runner
+    from kestrel.progress import Progress
+    batch, blocks = activation_profile_batch(tokens=600, max_model_len=256, block_size=16)
+    assert batch.query_start_loc.tolist() == [0, 256, 512, 600]
+    assert batch.positions.max().item() == 255 and batch.positions.numel() == 600
+    assert blocks == 16 + 16 + 6 and sorted(batch.slot_mapping.tolist()) == list(range(600))   # no slot shared
+    setup = build_runner(EngineConfig(model=str(checkpoint_factory("llama")), device="cpu",
+                                      max_model_len=256), Progress())   # the checkpoint has 256 positions
+    setup.runner.allocate_kv_cache(blocks)
+    out = setup.runner.forward_eager(batch)
+    assert out.logits.shape[0] == 3 and bool(out.logits.isfinite().all())

@@ -12,7 +12,7 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import build_forward_batch
+from kestrel.engine.batch import ForwardBatch, build_forward_batch
 from kestrel.engine.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.models.loader import load_weights
@@ -144,7 +144,7 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, m
         return max(1, min(budget // per_block, useful))
     if config.kv_cache_memory is not None:
         return max(1, min(config.kv_cache_memory // per_block, useful))
-    peak = profile_activation_peak(runner, config)
+    peak = profile_activation_peak(runner, config, max_model_len)
     total = torch.cuda.get_device_properties(runner.device).total_memory
     graph_reserve = 0 if config.disable_cuda_graph else 512 << 20
     budget = int(total * config.gpu_memory_utilization) - peak - graph_reserve
@@ -155,15 +155,25 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, m
     return max(1, min(budget // per_block, useful))
 
 
+def activation_profile_batch(tokens: int, max_model_len: int, block_size: int) -> tuple[ForwardBatch, int]:
+    """The largest step (a prefill of `tokens` tokens) as sequences of at most max_model_len tokens, so every
+    position has a rotary row: one 8192-token sequence on a 2048-position model read past the cos/sin cache
+    (an illegal memory access on the H200, session 4). Returns (batch, blocks it writes)."""
+    lengths = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
+    tables, next_block = [], 0
+    for n in lengths:
+        used = -(-n // block_size)
+        tables.append(list(range(next_block, next_block + used)))
+        next_block += used
+    return build_forward_batch([[0] * n for n in lengths], [0] * len(lengths), tables, block_size), next_block
+
+
 @torch.inference_mode()   # as every other forward: a backend may keep tensors made under it (FlashInfer's plan)
-def profile_activation_peak(runner: ModelRunner, config: EngineConfig) -> int:
-    """Peak device memory (weights included) of the largest step: one max_num_batched_tokens prefill."""
-    bs = config.block_size
-    tokens = config.max_num_batched_tokens
-    blocks = -(-tokens // bs)
+def profile_activation_peak(runner: ModelRunner, config: EngineConfig, max_model_len: int) -> int:
+    """Peak device memory (weights included) of the largest step: max_num_batched_tokens prompt tokens."""
+    batch, blocks = activation_profile_batch(config.max_num_batched_tokens, max_model_len, config.block_size)
     runner.allocate_kv_cache(blocks)
     torch.cuda.reset_peak_memory_stats(runner.device)
-    batch = build_forward_batch([[0] * tokens], [0], [list(range(blocks))], bs)
     runner.forward_eager(batch.to(runner.device))
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device)
