@@ -29,7 +29,9 @@ interpreted_only = interpreted_only_marker("test_gemv_under_triton_interpreter")
 N, K = 72, 200                                   # not multiples of the interpreter tiles (16 x 64)
 PATHS = {"broadcast": gemv.GemvConfig(block_n=16, block_k=64, use_dot=False),
          "dot": gemv.GemvConfig(block_n=16, block_k=64, use_dot=True),
-         "dot-fold4": gemv.GemvConfig(block_n=4, block_k=64, use_dot=True)}   # K folded 4 ways (BLOCK_N < 16)
+         "dot-fold4": gemv.GemvConfig(block_n=4, block_k=64, use_dot=True),   # K folded 4 ways (BLOCK_N < 16)
+         # KESTREL_GEMV_WHOLE_SLICE's shape of config: all of K (200) in one masked step
+         "broadcast-whole-k": gemv.GemvConfig(block_n=4, block_k=256, use_dot=False, num_warps=8)}
 
 
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
@@ -126,6 +128,17 @@ def test_default_config_fills_the_gpu_and_tiles_k_evenly(n, k, m):
     assert k % cfg.block_k == 0, "real hidden sizes should not need a masked K tail"
     assert cfg.use_dot == (m > gemv.BROADCAST_MAX_M)
     assert not cfg.unroll or k // cfg.block_k <= gemv.MAX_UNROLL
+
+
+@pytest.mark.parametrize("n,k,blocks", [(4096, 1024, (16, 1024)), (6144, 1024, (16, 1024)),
+                                         (1024, 2048, (4, 2048)), (1024, 3072, (4, 4096))])
+def test_whole_slice_config_reads_each_programs_weights_in_one_step(n, k, blocks):
+    """KESTREL_GEMV_WHOLE_SLICE (the Qwen3-0.6B shapes at one row): one K step, so every weight byte is read before
+    the PDL wait; the same programs as the default table; 8 warps once the tile passes 8192 elements."""
+    cfg = gemv.table_config(1, n, k, whole_slice=True)
+    assert (cfg.block_n, cfg.block_k) == blocks and cfg.block_n == gemv.table_config(1, n, k).block_n
+    assert cfg.num_warps == (8 if cfg.block_n * cfg.block_k > gemv.TILE_ELEMENTS else 4)
+    assert gemv.table_config(1, 4096, 4096, whole_slice=True) == gemv.table_config(1, 4096, 4096)   # 8B: too big
 
 
 # ------------------------------------------------------------------------------------------------ kernels

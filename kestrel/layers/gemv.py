@@ -31,7 +31,10 @@ The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one roun
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
 
 On Hopper the kernel is launched with PDL (kestrel/layers/pdl.py): each program reads its first weight tile, then
-waits for the kernel before it, so the weight stream starts while that kernel finishes.
+waits for the kernel before it, so the weight stream starts while that kernel finishes. Experiment, off by default:
+KESTREL_GEMV_WHOLE_SLICE=1 makes that first tile the program's whole K slice wherever it is at most
+WHOLE_SLICE_ELEMENTS (Qwen3-0.6B: qkv, gate_up and down take one step instead of 2, 2 and 3), so no weight byte is
+read after the wait; A/B in scripts/gpu_suite.sh's profile stage.
 
 Launches are CUDA-graph capturable: no host syncs, no autotuning at call time (a fixed heuristic table keyed on
 (M, N, K) picks the config; `config=` overrides it for benchmarking), only the outputs are allocated. M <= 16 is
@@ -39,6 +42,7 @@ asserted: larger batches belong to cuBLAS.
 """
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import torch
@@ -54,6 +58,7 @@ BROADCAST_MAX_M = 4         # above this the CUDA-core FMAs (M per weight elemen
 TARGET_PROGRAMS = 256       # ~2 per SM on a 132-SM H100/H200, so every SM streams weights
 TILE_ELEMENTS = 8192        # weight elements per K step per program (16 KB in bf16): enough loads in flight
 MAX_UNROLL = 16             # K steps fully unrolled (loads can be hoisted); longer loops are software-pipelined
+WHOLE_SLICE_ELEMENTS = 16384   # KESTREL_GEMV_WHOLE_SLICE: a program's slice up to 32 KB (bf16) in one tile, 8 warps
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS: tl.constexpr = tl.constexpr(1)
@@ -101,19 +106,30 @@ class GemvConfig:
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The fixed table: BLOCK_N as large as keeps >= TARGET_PROGRAMS programs, BLOCK_K for ~TILE_ELEMENTS a step.
+    """The fixed table (table_config); small tiles under Triton's interpreter."""
+    if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
+        return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
+    return table_config(m, n, k, whole_slice=os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "0") == "1")
+
+
+def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
+    """BLOCK_N as large as keeps >= TARGET_PROGRAMS programs, BLOCK_K for ~TILE_ELEMENTS a step.
 
     Examples (bf16, H200): N=1024 K=3072 M=1 -> BLOCK_N 4 x BLOCK_K 1024 (256 programs, 3 unrolled steps);
     N=4096 K=14336 -> 16 x 512 (256 programs, 28 pipelined steps); N=28672 K=4096 -> 32 x 256 (896 programs).
+    whole_slice: one step of BLOCK_K = next_power_of_2(K) (masked tail) where BLOCK_N x that is at most
+    WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers.
     """
-    if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
-        return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
     use_dot = m > BROADCAST_MAX_M
     # Every program reads all M x rows from L2 per weight tile: M / BLOCK_N x the weight bytes. So the tensor-core
     # path (M up to 16) starts at BLOCK_N 8 (fold 2), the broadcast path (M <= 4) at 4.
     block_n = 8 if use_dot else 4
     while block_n < 32 and triton.cdiv(n, 2 * block_n) >= TARGET_PROGRAMS:
         block_n *= 2
+    whole = triton.next_power_of_2(k)
+    if whole_slice and block_n * whole <= WHOLE_SLICE_ELEMENTS:
+        return GemvConfig(block_n=block_n, block_k=whole, use_dot=use_dot,
+                          num_warps=8 if block_n * whole > TILE_ELEMENTS else 4)
     block_k = _even_block_k(k, max(TILE_ELEMENTS // block_n, 128))
     steps = triton.cdiv(k, block_k)
     unroll = steps <= MAX_UNROLL
