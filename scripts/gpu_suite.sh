@@ -48,14 +48,14 @@ if [[ $STAGES == *" profile "* ]]; then
   step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch flipped in turn"
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
-  # [model@]SWITCH: the 0.6B shape unless a model is named. With PDL the Triton skinny matmuls prefetch their
+  # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together. With PDL the Triton skinny matmuls prefetch their
   # weights while the kernel before them runs and cuBLAS cannot: the 8B shapes (cuBLAS by policy) are re-tried.
   for ab in ${PROFILE_AB:-KESTREL_FUSED_DECODE_PROLOGUE=1 KESTREL_PDL=0 KESTREL_DECODE_MERGE=reduce \
       KESTREL_SKINNY_MATMUL=0 llama-3.1-8b@KESTREL_SKINNY_MATMUL=all}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"
-    env "$switch" timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
+    env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
       2>> "$LOG" | grep -E "^##|engine.step" | tee -a "$LOG"
   done
 fi

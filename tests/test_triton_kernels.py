@@ -74,6 +74,20 @@ def test_store_kv_writes_each_token_at_its_slot_and_skips_minus_one(block_size):
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
 
 
+def test_unpadded_store_kv_equals_the_filtering_one():
+    """The capturable reference write (index_copy_, used to time the torch references inside CUDA graphs) puts
+    every token where the boolean-indexing one does."""
+    from kestrel.attention import torch_ref
+    gen = torch.Generator().manual_seed(5)
+    k_cache, v_cache, _ = random_paged_cache([40], 2, 64, 4, torch.bfloat16, gen)
+    k, v = torch.randn(5, 2, 64, generator=gen), torch.randn(5, 2, 64, generator=gen)
+    slots = torch.tensor([3, 0, 17, 5, 30], dtype=torch.int32)
+    expect_k, expect_v = k_cache.clone(), v_cache.clone()
+    torch_ref.store_kv(k, v, expect_k, expect_v, slots)
+    torch_ref.store_kv_unpadded(k, v, k_cache, v_cache, slots)
+    assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
+
+
 # ------------------------------------------------------------------------------------------------ decode
 
 @interpreted_only

@@ -16,6 +16,15 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
 
 
+def store_kv_unpadded(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                      slot_mapping: torch.Tensor) -> None:
+    """store_kv for a slot_mapping with no padding: index_copy_ instead of boolean indexing, so no host sync and
+    the write can be captured in a CUDA graph or compiled (benchmarks/fused_ops_bench.py times it that way)."""
+    slots = slot_mapping.long()
+    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
+    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+
+
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -> torch.Tensor:
     """[num_blocks, block_size, H, D] paged -> [S, max_kv_len, H, D] contiguous (padding holds junk)."""
     block_size = cache.shape[1]

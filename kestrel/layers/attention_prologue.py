@@ -35,6 +35,8 @@ backend's decode_attention; kestrel/attention/fused_decode.py does both in one l
 """
 from __future__ import annotations
 
+from typing import Callable
+
 import torch
 import triton
 import triton.language as tl
@@ -47,8 +49,10 @@ from kestrel.layers.pdl import launch_options, pdl_wait
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
                            eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                           num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
-    """Torch twin of qk_norm_rope_store, composed of the existing references; returns q [T, Hq, D]."""
+                           num_heads: int, num_kv_heads: int, head_dim: int,
+                           store_kv: Callable[..., None] = torch_ref.store_kv) -> torch.Tensor:
+    """Torch twin of qk_norm_rope_store, composed of the existing references; returns q [T, Hq, D].
+    store_kv=torch_ref.store_kv_unpadded makes it capturable where no slot is padding."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(-1, num_heads, head_dim)
@@ -59,7 +63,7 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
     if k_norm_w is not None:
         k = rms_norm_ref(k, k_norm_w, eps)
     q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
-    torch_ref.store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping)
     return q.contiguous()
 
 

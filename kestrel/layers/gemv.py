@@ -31,10 +31,11 @@ The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one roun
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
 
 On Hopper the kernel is launched with PDL (kestrel/layers/pdl.py): each program reads its first weight tile, then
-waits for the kernel before it, so the weight stream starts while that kernel finishes. Experiment, off by default:
-KESTREL_GEMV_WHOLE_SLICE=1 makes that first tile the program's whole K slice wherever it is at most
-WHOLE_SLICE_ELEMENTS (Qwen3-0.6B: qkv, gate_up and down take one step instead of 2, 2 and 3), so no weight byte is
-read after the wait; A/B in scripts/gpu_suite.sh's profile stage.
+waits for the kernel before it, so the weight stream starts while that kernel finishes. On the broadcast path
+(M <= BROADCAST_MAX_M) that first tile is the program's whole K slice wherever it is at most WHOLE_SLICE_ELEMENTS
+(Qwen3-0.6B: qkv, gate_up and down take one step instead of 2, 2 and 3), so no weight byte is read after the wait:
+the 0.6B bs1 step went from 0.852 to 0.764 ms on the H200. KESTREL_GEMV_WHOLE_SLICE=0 turns it off, =all extends
+it to the tensor-core path (unmeasured); A/B in scripts/gpu_suite.sh's profile stage.
 
 Launches are CUDA-graph capturable: no host syncs, no autotuning at call time (a fixed heuristic table keyed on
 (M, N, K) picks the config; `config=` overrides it for benchmarking), only the outputs are allocated. M <= 16 is
@@ -58,7 +59,7 @@ BROADCAST_MAX_M = 4         # above this the CUDA-core FMAs (M per weight elemen
 TARGET_PROGRAMS = 256       # ~2 per SM on a 132-SM H100/H200, so every SM streams weights
 TILE_ELEMENTS = 8192        # weight elements per K step per program (16 KB in bf16): enough loads in flight
 MAX_UNROLL = 16             # K steps fully unrolled (loads can be hoisted); longer loops are software-pipelined
-WHOLE_SLICE_ELEMENTS = 16384   # KESTREL_GEMV_WHOLE_SLICE: a program's slice up to 32 KB (bf16) in one tile, 8 warps
+WHOLE_SLICE_ELEMENTS = 16384   # a program's K slice up to 32 KB (bf16) read as one tile (8 warps above TILE_ELEMENTS)
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS: tl.constexpr = tl.constexpr(1)
@@ -109,7 +110,8 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     """The fixed table (table_config); small tiles under Triton's interpreter."""
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
-    return table_config(m, n, k, whole_slice=os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "0") == "1")
+    mode = os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "1")
+    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
 
 
 def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
