@@ -118,7 +118,7 @@ def _decode_from_qkv_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, True)
+                      INTERPRET, MERGE, BLOCK_S, True, 0, 0, False)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 

@@ -83,16 +83,16 @@ def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 # for loop, which Triton software-pipelines. Both loops call this same tile body.
 
 @triton.jit
-def _attend_tile(
-    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
-    n0, kv_end, row_pos,         # keys n0 .. n0 + BLOCK_N - 1 below kv_end; row r sees keys at <= row_pos[r]
+def _load_kv_tile(
+    n0, lo, hi,                  # the tile's keys n0 .. n0 + BLOCK_N - 1; only those in [lo, hi) are read (others 0)
     table_row, k_base, v_base,   # block-table row of the sequence; cache pointers already at the kv head
     stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-    dims, dim_mask, scale_log2,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    dims, dim_mask,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr,
 ):
+    """K and V [BLOCK_N, BLOCK_D] of one tile of cached keys, in the cache dtype."""
     pos = n0 + tl.arange(0, BLOCK_N)
-    pos_mask = pos < kv_end
+    pos_mask = (pos >= lo) & (pos < hi)
     block = tl.load(table_row + pos // BLOCK_SIZE, mask=pos_mask, other=0).to(tl.int64)
     offset = pos % BLOCK_SIZE
     kv_mask = pos_mask[:, None] & dim_mask[None, :]
@@ -100,6 +100,18 @@ def _attend_tile(
                 mask=kv_mask, other=0.0)
     v = tl.load(v_base + block[:, None] * stride_vc_block + offset[:, None] * stride_vc_off + dims[None, :],
                 mask=kv_mask, other=0.0)
+    return k, v
+
+
+@triton.jit
+def _attend_kv(
+    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
+    k, v, n0, kv_end, row_pos,   # the tile's keys n0 .. n0 + BLOCK_N - 1 (loaded), those below kv_end count;
+    scale_log2,                  # row r sees keys at <= row_pos[r]
+    BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One step of the online softmax over a loaded K/V tile."""
+    pos = n0 + tl.arange(0, BLOCK_N)
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -107,7 +119,7 @@ def _attend_tile(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2    # [R, BLOCK_N], log2 units
-    visible = (pos[None, :] <= row_pos[:, None]) & pos_mask[None, :]
+    visible = (pos[None, :] <= row_pos[:, None]) & (pos[None, :] < kv_end)
     scores = tl.where(visible, scores, float("-inf"))
     # Callers guarantee every row sees at least one key in its first tile, so m_new is finite from then on.
     m_new = tl.maximum(m_i, tl.max(scores, 1))
@@ -116,6 +128,20 @@ def _attend_tile(
     l_i = l_i * alpha + tl.sum(p, 1)
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
     return m_new, l_i, acc
+
+
+@triton.jit
+def _attend_tile(
+    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
+    n0, kv_end, row_pos,         # keys n0 .. n0 + BLOCK_N - 1 below kv_end; row r sees keys at <= row_pos[r]
+    table_row, k_base, v_base,   # block-table row of the sequence; cache pointers already at the kv head
+    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+    dims, dim_mask, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    k, v = _load_kv_tile(n0, n0, kv_end, table_row, k_base, v_base, stride_kc_block, stride_kc_off,
+                         stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+    return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -193,11 +219,15 @@ def _decode_split(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, Q_IN_PARTIALS: tl.constexpr,
+    k_first, v_first, PREFETCHED: tl.constexpr,
 ):
     """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
     of kv_head, rows past GROUP zero) attends to keys start .. end - 1; then the output, or the partial and the
     merge (comment above). Q_IN_PARTIALS: q was read from this program's own partial_out rows (fused_decode.py),
-    so every thread's q load must be done before the partial store overwrites them."""
+    so every thread's q load must be done before the partial store overwrites them.
+    PREFETCHED: k_first, v_first hold the slice's first tile as read before the PDL wait, every key but the
+    newest (position kv_len - 1, written by the kernel just before this one); that row is read now and put in.
+    Otherwise k_first, v_first are unused."""
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -213,8 +243,19 @@ def _decode_split(
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kc_head
     v_base = v_cache_ptr + kv_head * stride_vc_head
+    first = start
+    if PREFETCHED:
+        newest = kv_len - 1   # in this tile only if the slice ends the context and the tile reaches it
+        k_new, v_new = _load_kv_tile(start, newest, tl.minimum(end, newest + 1), table_row, k_base, v_base,
+                                     stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                     dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+        is_newest = (start + tl.arange(0, BLOCK_N) == newest)[:, None]
+        m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, tl.where(is_newest, k_new, k_first),
+                                   tl.where(is_newest, v_new, v_first), start, end, row_pos, scale_log2,
+                                   BLOCK_N, DOT_FP32, DOT_PRECISION)
+        first = start + BLOCK_N
     if INTERPRET:
-        n0 = start
+        n0 = first
         while n0 < end:
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
                                          stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
@@ -222,7 +263,7 @@ def _decode_split(
                                          DOT_PRECISION)
             n0 += BLOCK_N
     else:
-        for n0 in range(start, end, BLOCK_N):
+        for n0 in range(first, end, BLOCK_N):
             m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
                                          stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
                                          dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
@@ -280,14 +321,28 @@ def _decode_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(USE_PDL)   # q, this step's K/V and the counters come from earlier kernels
-
-    kv_len = tl.load(kv_lens_ptr + seq)
-    start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
+    if PREFETCH:
+        # Before the wait, only what no kernel of this step writes: kv_lens and the block table (copied in before
+        # the step) and the K/V of every earlier token; the newest token's K/V comes from the kernel before this
+        # one, so the first tile is read without it (_decode_split puts it in after the wait).
+        kv_len = tl.load(kv_lens_ptr + seq)
+        start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
+        k_first, v_first = _load_kv_tile(start, start, tl.minimum(end, kv_len - 1),
+                                         block_table_ptr + seq * stride_bt, k_cache_ptr + kv_head * stride_kc_head,
+                                         v_cache_ptr + kv_head * stride_vc_head, stride_kc_block, stride_kc_off,
+                                         stride_vc_block, stride_vc_off, tl.arange(0, BLOCK_D),
+                                         tl.arange(0, BLOCK_D) < HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+        pdl_wait(USE_PDL)   # q, the newest K/V and the counters come from earlier kernels
+    else:
+        pdl_wait(USE_PDL)
+        kv_len = tl.load(kv_lens_ptr + seq)
+        start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
+        k_first, v_first = 0, 0   # unused
     if start < end:
         rows = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + rows
@@ -304,7 +359,7 @@ def _decode_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, False)
+                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 
@@ -417,11 +472,18 @@ def decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         counters.stride(0),
-        BLOCK_SIZE=block_size, **meta, **pdl,
+        BLOCK_SIZE=block_size, PREFETCH=prefetch_before_wait(), **meta, **pdl,
     )
     if not meta["MERGE"]:
         decode_reduce(partials, kv_lens, out, num_splits, meta, pdl)
     return out
+
+
+def prefetch_before_wait() -> bool:
+    """Experiment, off until measured on the H200 (KESTREL_DECODE_PREFETCH=1): each decode program reads its
+    first K/V tile before the PDL wait (the newest token's row after it). Prediction: kv_lens, block-table and
+    K/V round trips leave the critical path, -1.5 to -2.5 us per layer, Qwen3-0.6B bs1 step 0.764 -> ~0.70 ms."""
+    return os.environ.get("KESTREL_DECODE_PREFETCH", "0") == "1"
 
 
 def decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_table: torch.Tensor,

@@ -20,7 +20,7 @@ LAYERS = {  # name: (K, N)
     "0.6b.qkv": (1024, 4096), "0.6b.o": (2048, 1024), "0.6b.gate_up": (1024, 6144), "0.6b.down": (3072, 1024),
     "8b.qkv": (4096, 6144), "8b.o": (4096, 4096), "8b.gate_up": (4096, 28672), "8b.down": (14336, 4096),
 }
-BATCHES = [1, 2, 4, 8, 16]
+BATCHES = [1, 4, 16]   # one row; the broadcast path's widest (BROADCAST_MAX_M); the tensor-core path's widest
 
 
 def cuda_inputs(m: int, k: int, n: int, dtype: torch.dtype, seed: int, with_bias: bool = False) -> dict:

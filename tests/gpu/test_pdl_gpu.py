@@ -79,3 +79,15 @@ def test_engine_tokens_identical_with_and_without_pdl(checkpoint_factory, monkey
 def test_default_model_tokens_identical_with_and_without_pdl(monkeypatch):
     # Same kernels, same sums: bf16 too must match exactly (unlike changes of kernel, no near-tie can flip).
     assert _tokens(None, monkeypatch, "1") == _tokens(None, monkeypatch, "0")
+
+
+@pytest.mark.parametrize("arch", ["qwen3", None])   # a random checkpoint and the default model
+def test_prefetched_decode_is_bit_identical_under_pdl(checkpoint_factory, monkeypatch, arch):
+    """KESTREL_DECODE_PREFETCH reads the first K/V tile before the PDL wait while the prologue kernel is still
+    writing the newest token's row: a race would show as a token difference against PDL and prefetch off."""
+    path = str(checkpoint_factory(arch)) if arch else None
+    kw = {"dtype": "bfloat16"} if arch else {}
+    fast = greedy_tokens(path, monkeypatch, {"KESTREL_PDL": "1", "KESTREL_DECODE_PREFETCH": "1"}, max_tokens=48, **kw)
+    plain = greedy_tokens(path, monkeypatch, {"KESTREL_PDL": "0", "KESTREL_DECODE_PREFETCH": "0"}, max_tokens=48,
+                          **kw)
+    assert fast == plain
