@@ -51,7 +51,8 @@ if [[ $STAGES == *" profile "* ]]; then
   # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together. With PDL the Triton skinny matmuls prefetch their
   # weights while the kernel before them runs and cuBLAS cannot: the 8B shapes (cuBLAS by policy) are re-tried.
   # Decided A/Bs (BENCHMARKS.md) leave the list; KESTREL_PDL=0 stays as the reference point.
-  for ab in ${PROFILE_AB:-KESTREL_DECODE_PREFETCH=1 llama-3.1-8b@KESTREL_DECODE_PREFETCH=1 \
+  for ab in ${PROFILE_AB:-KESTREL_DECODE_PREFETCH=1 KESTREL_PROLOGUE_PREFETCH=1 \
+      KESTREL_DECODE_PREFETCH=1+KESTREL_PROLOGUE_PREFETCH=1 llama-3.1-8b@KESTREL_DECODE_PREFETCH=1 \
       KESTREL_GEMV_WHOLE_SLICE=0 KESTREL_PDL=0}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
