@@ -57,7 +57,9 @@ if [[ $STAGES == *" profile "* ]]; then
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"
+    # Each A/B's whole kernel table goes to its own JSON; the log keeps the step time.
     env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
+      --out "$OUT/profile_ab_${model}_$(echo "$switch" | tr -c 'A-Za-z0-9\n' _).json" \
       2>> "$LOG" | grep -E "^##|engine.step" | tee -a "$LOG"
   done
 fi
