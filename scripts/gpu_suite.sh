@@ -53,7 +53,7 @@ if [[ $STAGES == *" profile "* ]]; then
   # Decided A/Bs (BENCHMARKS.md) leave the list; KESTREL_PDL=0 stays as the reference point.
   for ab in ${PROFILE_AB:-KESTREL_DECODE_PREFETCH=1 KESTREL_PROLOGUE_PREFETCH=1 \
       KESTREL_DECODE_PREFETCH=1+KESTREL_PROLOGUE_PREFETCH=1 llama-3.1-8b@KESTREL_DECODE_PREFETCH=1 \
-      KESTREL_GEMV_WHOLE_SLICE=0 KESTREL_PDL=0}; do
+      llama-3.1-8b@KESTREL_SKINNY_MAX_MB=64 KESTREL_GEMV_WHOLE_SLICE=0 KESTREL_PDL=0}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"

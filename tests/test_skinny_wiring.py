@@ -44,3 +44,18 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     assert got == expected
     torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
     assert bool(calls) == (choice == "all")   # o_proj is square-ish: only "all" sends it to gemv
+
+
+@pytest.mark.parametrize("cap_mb,triton_for_8b_qkv", [(None, False), ("64", True)])
+def test_skinny_weight_cap_follows_the_env(monkeypatch, cap_mb, triton_for_8b_qkv):
+    """The measured policy keeps weights above 16 MB on cuBLAS; KESTREL_SKINNY_MAX_MB moves the cap (an A/B knob):
+    at 64 the Llama-3.1-8B qkv (6144 x 4096, 48 MB) takes the Triton path at one row, gate_up (224 MB) does not."""
+    from kestrel.engine.fast_path import skinny_matmuls
+    if cap_mb is None:
+        monkeypatch.delenv("KESTREL_SKINNY_MAX_MB", raising=False)
+    else:
+        monkeypatch.setenv("KESTREL_SKINNY_MAX_MB", cap_mb)
+    policy = skinny_matmuls("auto").use_triton
+    assert policy(1, 6144, 4096) is triton_for_8b_qkv
+    assert policy(1, 28672, 4096) is False
+    assert policy(1, 4096, 1024) is True   # Qwen3-0.6B qkv (8 MB): Triton either way
