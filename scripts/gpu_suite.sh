@@ -48,9 +48,9 @@ if [[ $STAGES == *" profile "* ]]; then
   step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch flipped in turn"
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
-  # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together. With PDL the Triton skinny matmuls prefetch their
-  # weights while the kernel before them runs and cuBLAS cannot: the 8B shapes (cuBLAS by policy) are re-tried.
-  # Decided A/Bs (BENCHMARKS.md) leave the list; KESTREL_PDL=0 stays as the reference point.
+  # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together.
+  # Decided A/Bs (BENCHMARKS.md) leave the list; KESTREL_PDL=0 stays as the reference point. With PDL the Triton
+  # skinny matmuls prefetch weights and cuBLAS cannot, so the 8B's smaller matmuls are re-tried on Triton.
   for ab in ${PROFILE_AB:-KESTREL_DECODE_PREFETCH=1 KESTREL_PROLOGUE_PREFETCH=1 \
       KESTREL_DECODE_PREFETCH=1+KESTREL_PROLOGUE_PREFETCH=1 llama-3.1-8b@KESTREL_DECODE_PREFETCH=1 \
       llama-3.1-8b@KESTREL_SKINNY_MAX_MB=64 KESTREL_GEMV_WHOLE_SLICE=0 KESTREL_PDL=0}; do
