@@ -37,6 +37,19 @@ def _kernel_events(prof) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda x: x[1])
 
 
+def exposed_time(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per kernel name, the time its launches push the end of GPU work out: a launch's end past the latest end so
+    far, counted from its own start. Under PDL a kernel's duration includes waiting on the one before it, so
+    durations overlap and over-count; these shares do not, and they sum to the busy part of the span."""
+    exposed: dict[str, float] = defaultdict(float)
+    frontier = float("-inf")
+    for name, start, dur in events:   # sorted by start
+        end = start + dur
+        exposed[name] += max(0.0, end - max(frontier, start))
+        frontier = max(frontier, end)
+    return exposed
+
+
 def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) -> dict:
     model_dir = workdir / name
     if not (model_dir / "config.json").exists():
@@ -80,6 +93,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
     if trace_dir is not None:
         prof.export_chrome_trace(str(trace_dir / f"trace_{name}.json"))
     per_name: dict[str, list[float]] = defaultdict(list)
+    exposed_by_name = exposed_time(events)
     for kname, _, dur in events:
         per_name[kname].append(dur)
     table = sorted(((k, len(v) / n_prof, sum(v) / n_prof) for k, v in per_name.items()), key=lambda r: -r[2])
@@ -88,7 +102,10 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
     result.update({"kernels_per_step": len(events) / n_prof, "kernel_us_per_step": busy,
                    "span_us_per_step": span, "gap_us_per_step": span - busy,
                    "kernels": [{"name": k[:120], "launches": c, "us_per_step": round(t, 2),
-                                "us_each": round(t / c, 2)} for k, c, t in table]})
+                                "us_each": round(t / c, 2),
+                                "exposed_us_each": round(exposed_by_name[k] / n_prof / c, 2)}
+                               for k, c, t in table],
+                   "exposed_us_per_step": sum(exposed_by_name.values()) / n_prof})
     weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
     result["weight_gb"] = weight_bytes / 1e9
     del engine
@@ -102,9 +119,11 @@ def print_result(r: dict) -> None:
     print(f"engine.step {r['engine_step_ms']:.3f} ms ({r['tok_s']:.0f} tok/s); graph replay "
           f"{r.get('graph_replay_ms', float('nan')):.3f} ms; kernels/step {r.get('kernels_per_step', 0):.0f}, "
           f"kernel time {r.get('kernel_us_per_step', 0):.0f} us, idle gaps {r.get('gap_us_per_step', 0):.0f} us")
-    print("| kernel | launches/step | us/step | us each |\n|---|---|---|---|")
+    print(f"busy (exposed) {r.get('exposed_us_per_step', 0):.0f} us per step")
+    print("| kernel | launches/step | us/step | us each | exposed us each |\n|---|---|---|---|---|")
     for k in r.get("kernels", [])[:25]:
-        print(f"| {k['name'][:90]} | {k['launches']:.0f} | {k['us_per_step']:.1f} | {k['us_each']:.2f} |")
+        print(f"| {k['name'][:90]} | {k['launches']:.0f} | {k['us_per_step']:.1f} | {k['us_each']:.2f} "
+              f"| {k['exposed_us_each']:.2f} |")
 
 
 def main() -> int:

@@ -22,7 +22,7 @@ from kestrel.layers.pdl import launch_options, pdl_wait
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
-MIN_TOKENS_PER_SPLIT = 256    # below this a split costs more in the merge than it saves
+MIN_TOKENS_PER_SPLIT = 256    # of the table's capacity; sizes the grid only (run-time splits go down to one tile)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -643,7 +643,10 @@ def extend_attention(
 def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
     if _interpreted():  # small tiles so the tests' tiny contexts still span several tiles and splits
         return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    return {"BLOCK_N": 64, "num_warps": 4, "num_stages": 2}
+    # The key tile is also the shortest split (_decode_split_range), and one-tile splits measured fastest at bs1:
+    # at least 256 or 512 keys per split cost +14%, 128-key tiles +10% (BENCHMARKS.md, session 6).
+    # KESTREL_DECODE_BLOCK_N is the A/B knob.
+    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 64)), "num_warps": 4, "num_stages": 2}
 
 
 def _extend_tiles(q: torch.Tensor) -> dict[str, int]:
