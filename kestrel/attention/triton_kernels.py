@@ -480,10 +480,10 @@ def decode_attention(
 
 
 def prefetch_before_wait() -> bool:
-    """Experiment, off until measured on the H200 (KESTREL_DECODE_PREFETCH=1): each decode program reads its
-    first K/V tile before the PDL wait (the newest token's row after it). Prediction: kv_lens, block-table and
-    K/V round trips leave the critical path, -1.5 to -2.5 us per layer, Qwen3-0.6B bs1 step 0.764 -> ~0.70 ms."""
-    return os.environ.get("KESTREL_DECODE_PREFETCH", "0") == "1"
+    """Each decode program reads its first K/V tile before the PDL wait and the newest token's row after it (on by
+    default; KESTREL_DECODE_PREFETCH=0 turns it off). With 32-key tiles it took the Qwen3-0.6B bs1 step 0.758 ->
+    0.714 ms on the H200; alone, with 64-key tiles, −0.6% (0.6B) and −1.6% (8B) (BENCHMARKS.md, session 6)."""
+    return os.environ.get("KESTREL_DECODE_PREFETCH", "1") == "1"
 
 
 def decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_table: torch.Tensor,
@@ -643,10 +643,10 @@ def extend_attention(
 def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
     if _interpreted():  # small tiles so the tests' tiny contexts still span several tiles and splits
         return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
-    # The key tile is also the shortest split (_decode_split_range), and one-tile splits measured fastest at bs1:
-    # at least 256 or 512 keys per split cost +14%, 128-key tiles +10% (BENCHMARKS.md, session 6).
-    # KESTREL_DECODE_BLOCK_N is the A/B knob.
-    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 64)), "num_warps": 4, "num_stages": 2}
+    # The key tile is also the shortest split (_decode_split_range), and at bs1 more, shorter splits measured
+    # faster: splits of >= 256 or 512 keys cost +14%, 128-key tiles +10%; 32-key tiles beat 64 by 1.6% alone and
+    # by 5.8% with the prefetch before the PDL wait (BENCHMARKS.md, session 6). KESTREL_DECODE_BLOCK_N: A/B knob.
+    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 32)), "num_warps": 4, "num_stages": 2}
 
 
 def _extend_tiles(q: torch.Tensor) -> dict[str, int]:

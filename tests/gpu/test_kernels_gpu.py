@@ -33,7 +33,7 @@ def _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 8, None])
-# block_n: KESTREL_DECODE_BLOCK_N, the key tile and shortest split (64 by default)
+# block_n: KESTREL_DECODE_BLOCK_N, the key tile and shortest split (32 by default)
 @pytest.mark.parametrize("merge,prefetch,block_n", [
     ("atomic", "0", "64"), ("reduce", "0", "64"), ("atomic", "1", "64"), ("atomic", "1", "32"),
     ("reduce", "0", "32")])
