@@ -36,7 +36,7 @@ def _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
 # block_n: KESTREL_DECODE_BLOCK_N, the key tile and shortest split (32 by default)
 @pytest.mark.parametrize("merge,prefetch,block_n", [
     ("atomic", "0", "64"), ("reduce", "0", "64"), ("atomic", "1", "64"), ("atomic", "1", "32"),
-    ("reduce", "0", "32")])
+    ("reduce", "0", "32"), ("atomic", "1", "16")])
 def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dtype, num_splits, merge, prefetch,
                                   block_n, monkeypatch):
     monkeypatch.setenv("KESTREL_DECODE_MERGE", merge)
