@@ -85,6 +85,21 @@ def test_skinny_matmul_for_sm90_asks_l2_for_each_region_before_the_pdl_wait(regi
     assert all(i < waits[0] for i in prefetches), "a prefetch comes after the PDL wait"
 
 
+@pytest.mark.skipif(INTERPRETED, reason="compiles for sm_90; the interpreter child runs the chunk test")
+def test_standalone_prefetch_kernel_for_sm90_asks_l2_then_waits():
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from kestrel.layers.l2_prefetch import _prefetch_kernel
+    src = ASTSource(fn=_prefetch_kernel, signature={"ptr": "*bf16", "nbytes": "i64", "SLOTS": "constexpr",
+                                                    "USE_PDL": "constexpr"},
+                    constexprs={"SLOTS": SLOTS, "USE_PDL": True})
+    lines = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+    prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
+    waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
+    assert len(prefetches) == 1 and waits and prefetches[0] < waits[0]
+
+
 def test_prefetch_is_off_without_the_switch_or_a_hopper_gpu(monkeypatch):
     from kestrel.layers.l2_prefetch import l2_prefetch_enabled
     monkeypatch.setenv("KESTREL_L2_PREFETCH", "1")

@@ -17,18 +17,25 @@ Each program takes an equal share of each region and each of its SLOTS lanes one
     region bytes  [ program 0 share | program 1 share | ... ]      share = cdiv(bytes, programs), 16-byte multiple
     one share     [ lane 0 | lane 1 | ... | lane SLOTS-1 ]          chunk = cdiv(share, SLOTS), 16-byte multiple
 
-Only the Triton skinny matmuls issue it (cuBLAS cannot), so only Triton-path models take part. Results cannot
-change: nothing is written. KESTREL_L2_PREFETCH=1 turns it on; off until an H200 A/B (scripts/gpu_suite.sh).
+Where qkv_proj runs on cuBLAS (the 8B: every matmul there is above the skinny policy's cap), no Triton matmul
+precedes o_proj, so a small kernel of its own, launched just before the attention prologue, asks for o_proj's
+first MAX_PREFETCH_BYTES while the prologue and decode attention (~9 us, light on HBM) run:
+
+    8B layer:  norm | qkv (cuBLAS) | prefetch o_proj | prologue | decode | o_proj (cuBLAS, partly from L2) | ...
+
+Results cannot change: nothing is written. KESTREL_L2_PREFETCH=1 turns it on; off until an H200 A/B
+(scripts/gpu_suite.sh).
 """
 from __future__ import annotations
 
 import os
+from typing import Callable
 
 import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import compiled_for_hopper
+from kestrel.layers.pdl import compiled_for_hopper, launch_options, pdl_wait
 
 SLOTS = 128                  # prefetches per program per region: one per thread of a 4-warp program
 MAX_REGIONS = 2              # regions one kernel may prefetch (qkv_proj fetches two weights)
@@ -63,6 +70,25 @@ def l2_prefetch(ptr, nbytes, SLOTS: tl.constexpr):
                               dtype=tl.int32, is_pure=False, pack=1)
 
 
+@triton.jit
+def _prefetch_kernel(ptr, nbytes, SLOTS: tl.constexpr, USE_PDL: tl.constexpr):
+    l2_prefetch(ptr, nbytes, SLOTS)   # before the wait: the weights are no kernel's output
+    pdl_wait(USE_PDL)
+
+
+PREFETCH_PROGRAMS = 64   # a few hundred bytes to a few KB per lane for tens of MB
+
+
+def prefetch_into_l2(tensors: tuple[torch.Tensor, ...]) -> None:
+    """Launch the standalone prefetch for each tensor's first MAX_PREFETCH_BYTES (no-op where it is off)."""
+    for t in tensors:
+        if not l2_prefetch_enabled(t.device):
+            return
+        (ptr, nbytes, _, _), _ = prefetch_args((t,), t)   # checks contiguity and alignment
+        _prefetch_kernel[(PREFETCH_PROGRAMS,)](ptr, min(nbytes, MAX_PREFETCH_BYTES), SLOTS=SLOTS,
+                                               **launch_options(t.device))
+
+
 def l2_prefetch_enabled(device: torch.device) -> bool:
     """KESTREL_L2_PREFETCH=1 on Hopper or later (bulk prefetch is sm_90), never under the interpreter."""
     return os.environ.get("KESTREL_L2_PREFETCH", "0") == "1" and compiled_for_hopper(device)
@@ -83,9 +109,10 @@ def prefetch_args(regions: tuple[torch.Tensor, ...], fallback: torch.Tensor) -> 
     return args, len(regions)
 
 
-def plan_layer_prefetches(layers) -> None:
-    """Sets each decoder layer's `l2_prefetch` {matmul name: weights to fetch} in step order (table above);
-    regions beyond MAX_PREFETCH_BYTES per kernel are left out."""
+def plan_layer_prefetches(layers, use_triton: Callable[[int, int, int], bool]) -> None:
+    """Sets each decoder layer's `l2_prefetch` {matmul name or "attention": weights to fetch} in step order
+    (tables above); use_triton is the skinny policy (rows, out, in), asked for one row. Regions beyond
+    MAX_PREFETCH_BYTES per kernel are left out of the matmuls' plans; the standalone launch takes a prefix."""
     def capped(*weights: torch.Tensor) -> tuple[torch.Tensor, ...]:
         kept, total = [], 0
         for w in weights:
@@ -104,4 +131,6 @@ def plan_layer_prefetches(layers) -> None:
             "o": capped(mlp.down_proj.weight),
             "gate_up": capped(after) if after is not None else (),
             "down": (),
+            # no Triton qkv kernel to issue o_proj's prefetch: a launch of its own before attention does
+            "attention": () if use_triton(1, *attn.qkv_proj.weight.shape) else (attn.o_proj.weight,),
         }

@@ -110,6 +110,9 @@ class DecoderLayer(nn.Module):
         """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
         attn, mlp, pf = self.self_attn, self.mlp, self.l2_prefetch
         qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj, pf.get("qkv", ()))
+        if pf.get("attention"):   # KESTREL_L2_PREFETCH with o_proj on cuBLAS: a prefetch launch of its own
+            from kestrel.layers.l2_prefetch import prefetch_into_l2   # Triton: only where the plan exists
+            prefetch_into_l2(pf["attention"])
         hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj, pf.get("o", ()))
         gate_up, residual = sk.norm_linear(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj,
                                            pf.get("gate_up", ()))

@@ -49,3 +49,13 @@ def test_engine_tokens_identical_with_and_without_l2_prefetch(checkpoint_factory
     on = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "1"}, max_tokens=48, **kw)
     off = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "0"}, max_tokens=48, **kw)
     assert on == off
+
+
+def test_engine_tokens_identical_with_the_standalone_prefetch_launch(checkpoint_factory, monkeypatch):
+    """KESTREL_SKINNY_MAX_MB=0 puts every matmul on cuBLAS (as for the 8B), so o_proj's prefetch is a launch of its
+    own before attention."""
+    monkeypatch.setenv("KESTREL_SKINNY_MAX_MB", "0")
+    path = str(checkpoint_factory("llama"))
+    on = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "1"}, max_tokens=48, dtype="bfloat16")
+    off = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "0"}, max_tokens=48, dtype="bfloat16")
+    assert on == off
