@@ -18,7 +18,8 @@ class ForwardBatch:
     kv_lens: torch.Tensor          # [S] int32, tokens in the cache after this step (new ones included)
     block_table: torch.Tensor      # [S, max_blocks] int32, physical block ids, -1 padded
     slot_mapping: torch.Tensor     # [T] int64, flat cache slot of each new token; -1 means do not write
-    logits_at: torch.Tensor        # [num_outputs] int64, token indices whose logits are wanted
+    logits_at: torch.Tensor | None  # [num_outputs] int64, token indices whose logits are wanted; None: every
+                                    # token in order (graph runners: no gather kernel in the step)
     max_query_len: int             # host-side copies so kernels need no device->host sync
     max_kv_len: int
     capture_hidden_layers: tuple[int, ...] = ()  # layers whose *input* hidden states are returned (EAGLE-3)
@@ -37,8 +38,8 @@ class ForwardBatch:
         return self.max_query_len == 1
 
     def to(self, device: torch.device) -> "ForwardBatch":
-        def move(t: torch.Tensor) -> torch.Tensor:
-            return t.to(device, non_blocking=True)
+        def move(t: torch.Tensor | None) -> torch.Tensor | None:
+            return None if t is None else t.to(device, non_blocking=True)
 
         return ForwardBatch(
             input_ids=move(self.input_ids), positions=move(self.positions),

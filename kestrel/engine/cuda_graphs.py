@@ -29,6 +29,7 @@ producing). That lets the engine launch step N+1 before it has read step N's tok
 from __future__ import annotations
 
 import logging
+import os
 import time
 from dataclasses import dataclass
 
@@ -95,8 +96,13 @@ class CudaGraphRunner:
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(0, max_bs * q + 1, q, dtype=torch.int64, device=device)
-        self.logits_at = torch.arange(max_bs * q, dtype=torch.int64, device=device)
         self.max_kv_len = max_blocks_per_seq * runner.block_size
+        # KESTREL_FUSED_ARGMAX (experiment): the fp32 cast and argmax of the logits in one kernel, with static
+        # scratch shared by every bucket's graph (the graphs of one runner replay one at a time, in stream order).
+        self.argmax_scratch, self._logits_argmax = None, None
+        if device.type == "cuda" and os.environ.get("KESTREL_FUSED_ARGMAX", "0") == "1":
+            from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
+            self.argmax_scratch, self._logits_argmax = alloc_argmax_scratch(max_bs * q, device), logits_argmax
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
@@ -121,11 +127,15 @@ class CudaGraphRunner:
         batch = ForwardBatch(
             input_ids=input_ids, positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
-            block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=self.logits_at[:n],
+            block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=None,
             max_query_len=self.query_len, max_kv_len=self.max_kv_len,
         )
+        tokens = self._view("prev_tokens", n)
+        if self.argmax_scratch is not None:
+            raw = self.runner.forward_eager(batch, float_logits=False).logits
+            return self._logits_argmax(raw, tokens, self.argmax_scratch), tokens
         logits = self.runner.forward_eager(batch).logits
-        return logits, torch.argmax(logits, dim=-1, out=self._view("prev_tokens", n))
+        return logits, torch.argmax(logits, dim=-1, out=tokens)
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:

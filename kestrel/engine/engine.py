@@ -333,7 +333,7 @@ class Engine:
         blocks = self.pool.allocate(-(-len(token_ids) // bs))
         try:
             batch = build_forward_batch([list(token_ids)], [0], [blocks], bs)
-            batch.logits_at = torch.arange(len(token_ids))
+            batch.logits_at = None   # every position
             return self.runner.forward(batch).logits
         finally:
             self.pool.release(blocks)

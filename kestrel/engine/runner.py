@@ -55,7 +55,8 @@ class ModelRunner:
             batch = batch.to(self.device)
         return self.forward_eager(batch)
 
-    def forward_eager(self, batch: ForwardBatch) -> ForwardOutput:
+    def forward_eager(self, batch: ForwardBatch, float_logits: bool = True) -> ForwardOutput:
+        """float_logits=False leaves the logits in the model dtype (for a caller that casts them itself)."""
         self.backend.prepare(batch)
         hidden, captured = self.model(batch, self.backend, self.kv_caches)
-        return ForwardOutput(logits=self.model.compute_logits(hidden), hidden_states=captured)
+        return ForwardOutput(logits=self.model.compute_logits(hidden, float_logits), hidden_states=captured)

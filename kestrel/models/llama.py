@@ -140,7 +140,8 @@ class LlamaForCausalLM(nn.Module):
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend,
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """Returns the final-norm hidden states at batch.logits_at and the requested layer inputs."""
+        """Returns the final-norm hidden states at batch.logits_at (all of them for None) and the requested layer
+        inputs."""
         hidden = self.embed_tokens(batch.input_ids)
         residual = None
         captured: dict[int, torch.Tensor] = {}
@@ -149,7 +150,8 @@ class LlamaForCausalLM(nn.Module):
                 captured[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, batch, backend, *kv_caches[i])
         hidden, _ = self.norm(hidden, residual)
-        return hidden[batch.logits_at], captured
+        return (hidden if batch.logits_at is None else hidden[batch.logits_at]), captured
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
+    def compute_logits(self, hidden: torch.Tensor, to_float: bool = True) -> torch.Tensor:
+        logits = self.lm_head(hidden)
+        return logits.float() if to_float else logits
