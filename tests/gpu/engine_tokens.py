@@ -15,3 +15,12 @@ def greedy_tokens(path: str | None, monkeypatch, env: dict[str, str], max_tokens
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm = LLM(model=path, device="cuda", cuda_graph_max_bs=8, max_num_seqs=8, **kw)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
+
+
+def switch_keeps_tokens(checkpoint_factory, monkeypatch, arch: str | None, switch: str) -> bool:
+    """Whether greedy tokens are identical with `switch` (an env name) at 1 and at 0: a random `arch`
+    checkpoint in bf16, or the default model for None."""
+    path = str(checkpoint_factory(arch)) if arch else None
+    kw = {"dtype": "bfloat16"} if arch else {}
+    on = greedy_tokens(path, monkeypatch, {switch: "1"}, max_tokens=48, **kw)
+    return on == greedy_tokens(path, monkeypatch, {switch: "0"}, max_tokens=48, **kw)

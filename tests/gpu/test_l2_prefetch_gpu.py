@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import greedy_tokens
+from tests.gpu.engine_tokens import switch_keeps_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -44,18 +44,11 @@ def test_skinny_kernels_with_prefetch_regions_are_bit_identical(monkeypatch, row
 
 @pytest.mark.parametrize("arch", ["qwen3", None])   # a random checkpoint (bf16) and the default model
 def test_engine_tokens_identical_with_and_without_l2_prefetch(checkpoint_factory, monkeypatch, arch):
-    path = str(checkpoint_factory(arch)) if arch else None
-    kw = {"dtype": "bfloat16"} if arch else {}
-    on = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "1"}, max_tokens=48, **kw)
-    off = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "0"}, max_tokens=48, **kw)
-    assert on == off
+    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, arch, "KESTREL_L2_PREFETCH")
 
 
 def test_engine_tokens_identical_with_the_standalone_prefetch_launch(checkpoint_factory, monkeypatch):
     """KESTREL_SKINNY_MAX_MB=0 puts every matmul on cuBLAS (as for the 8B), so o_proj's prefetch is a launch of its
     own before attention."""
     monkeypatch.setenv("KESTREL_SKINNY_MAX_MB", "0")
-    path = str(checkpoint_factory("llama"))
-    on = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "1"}, max_tokens=48, dtype="bfloat16")
-    off = greedy_tokens(path, monkeypatch, {"KESTREL_L2_PREFETCH": "0"}, max_tokens=48, dtype="bfloat16")
-    assert on == off
+    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, "llama", "KESTREL_L2_PREFETCH")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import greedy_tokens
+from tests.gpu.engine_tokens import switch_keeps_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,8 +36,4 @@ def test_kernel_in_a_graph_equals_torch_on_every_replay(vocab, rows):
 
 @pytest.mark.parametrize("arch", ["qwen3", None])   # a random checkpoint (bf16) and the default model
 def test_engine_tokens_identical_with_and_without_the_fused_argmax(checkpoint_factory, monkeypatch, arch):
-    path = str(checkpoint_factory(arch)) if arch else None
-    kw = {"dtype": "bfloat16"} if arch else {}
-    on = greedy_tokens(path, monkeypatch, {"KESTREL_FUSED_ARGMAX": "1"}, max_tokens=48, **kw)
-    off = greedy_tokens(path, monkeypatch, {"KESTREL_FUSED_ARGMAX": "0"}, max_tokens=48, **kw)
-    assert on == off
+    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, arch, "KESTREL_FUSED_ARGMAX")
