@@ -645,8 +645,10 @@ def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
         return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     # The key tile is also the shortest split (_decode_split_range), and at bs1 more, shorter splits measured
     # faster: splits of >= 256 or 512 keys cost +14%, 128-key tiles +10%; 32-key tiles beat 64 by 1.6% alone and
-    # by 5.8% with the prefetch before the PDL wait (BENCHMARKS.md, session 6). KESTREL_DECODE_BLOCK_N: A/B knob.
-    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 32)), "num_warps": 4, "num_stages": 2}
+    # by 5.8% with the prefetch before the PDL wait (BENCHMARKS.md, session 6). KESTREL_DECODE_BLOCK_N and
+    # KESTREL_DECODE_WARPS are A/B knobs.
+    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 32)),
+            "num_warps": int(os.environ.get("KESTREL_DECODE_WARPS", 4)), "num_stages": 2}
 
 
 def _extend_tiles(q: torch.Tensor) -> dict[str, int]:
