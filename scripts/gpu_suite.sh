@@ -116,5 +116,6 @@ if [ -n "${LATE_TEST_FILES:-}" ]; then   # tests to run after the measurements, 
 fi
 grep -E "Traceback|Error" "$LOG" | sort | uniq -c | head -20
 step "summary"
+python3 -m benchmarks.ab_summary "$OUT" 2>/dev/null | tee "$OUT/ab_summary.md"   # profile A/Bs vs their baselines
 cat "$OUT/serve_comparison.md" 2>/dev/null | head -30
 [ -f "$OUT/bench.json" ] && python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"

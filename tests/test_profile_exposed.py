@@ -1,4 +1,5 @@
-"""The decode profile's exposed time: each kernel's share of the busy span when PDL makes durations overlap."""
+"""The decode profile's exposed time (each kernel's share of the busy span when PDL makes durations overlap) and
+the A/B summary table built from the profile stage's JSON."""
 from benchmarks.profile_decode import exposed_time
 
 
@@ -11,3 +12,20 @@ def test_overlapping_launches_count_only_the_time_they_add_and_shares_sum_to_the
     exposed = exposed_time(events)
     assert exposed == {"matmul": 13.0, "decode": 5.0, "norm": 2.0}
     assert sum(exposed.values()) == 25.0 - 5.0   # span minus the idle gap
+
+
+def test_ab_summary_sets_each_switch_against_its_models_baseline(tmp_path):
+    import json
+
+    from benchmarks.ab_summary import ab_rows, markdown
+    (tmp_path / "profile.json").write_text(json.dumps([{"model": "qwen3-0.6b", "engine_step_ms": 0.8},
+                                                       {"model": "llama-3.1-8b", "engine_step_ms": 4.0}]))
+    (tmp_path / "profile_ab_qwen3-0.6b_KESTREL_X_1.json").write_text(
+        json.dumps([{"model": "qwen3-0.6b", "engine_step_ms": 0.72}]))
+    (tmp_path / "profile_ab_llama-3.1-8b_KESTREL_Y_0.json").write_text(
+        json.dumps([{"model": "llama-3.1-8b", "engine_step_ms": 4.2}]))
+    (tmp_path / "profile_ab_other_KESTREL_Z_1.json").write_text(json.dumps([{"model": "other", "engine_step_ms": 1}]))
+    rows = {r["switch"]: r for r in ab_rows(tmp_path)}
+    assert set(rows) == {"KESTREL_X_1", "KESTREL_Y_0"}   # no baseline, no row
+    assert round(rows["KESTREL_X_1"]["change_pct"], 6) == -10.0 and round(rows["KESTREL_Y_0"]["change_pct"], 6) == 5.0
+    assert "| qwen3-0.6b | KESTREL_X_1 | 0.720 | 0.800 | -10.0% |" in markdown(list(rows.values()))

@@ -1,0 +1,49 @@
+"""The profile stage's A/Bs in one table: each switch's bs1 step against the baseline of the same call.
+
+    python -m benchmarks.ab_summary OUT_DIR    (reads OUT_DIR/profile.json and OUT_DIR/profile_ab_*.json)
+
+An A/B file is named profile_ab_<model>_<switch>.json by scripts/gpu_suite.sh; its model comes from the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+
+def ab_rows(out_dir: Path) -> list[dict]:
+    """One row per A/B file whose model has a baseline: model, switch (from the file name), step ms, change."""
+    baseline = {r["model"]: r["engine_step_ms"] for r in json.loads((out_dir / "profile.json").read_text())}
+    rows = []
+    for path in sorted(out_dir.glob("profile_ab_*.json")):
+        for r in json.loads(path.read_text()):
+            base = baseline.get(r["model"])
+            if base is None:
+                continue
+            prefix = f"profile_ab_{r['model']}_"
+            switch = path.stem[len(prefix):] if path.stem.startswith(prefix) else path.stem   # '=' and '+' as '_'
+            rows.append({"model": r["model"], "switch": switch, "step_ms": r["engine_step_ms"], "base_ms": base,
+                         "change_pct": 100 * (r["engine_step_ms"] / base - 1)})
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| model | switch | step ms | baseline ms | change |", "|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['switch']} | {r['step_ms']:.3f} | {r['base_ms']:.3f} | {r['change_pct']:+.1f}% |"
+              for r in rows]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("out_dir", type=Path)
+    args = ap.parse_args()
+    if not (args.out_dir / "profile.json").exists():
+        print("no profile.json: the profile stage did not run or did not finish")
+        return 0
+    print(markdown(ab_rows(args.out_dir)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
