@@ -482,7 +482,7 @@ def decode_attention(
 def prefetch_before_wait() -> bool:
     """Each decode program reads its first K/V tile before the PDL wait and the newest token's row after it (on by
     default; KESTREL_DECODE_PREFETCH=0 turns it off). With 32-key tiles it took the Qwen3-0.6B bs1 step 0.758 ->
-    0.714 ms on the H200; alone, with 64-key tiles, −0.6% (0.6B) and −1.6% (8B) (BENCHMARKS.md, session 6)."""
+    0.714 ms on the H200; alone, with 64-key tiles, −0.7% (0.6B) and −1.5% (8B) (BENCHMARKS.md, session 6)."""
     return os.environ.get("KESTREL_DECODE_PREFETCH", "1") == "1"
 
 
