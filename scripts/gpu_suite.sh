@@ -51,14 +51,15 @@ if [[ $STAGES == *" profile "* ]]; then
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
   # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together.
-  # Decided A/Bs (BENCHMARKS.md) leave the list; KESTREL_PDL=0 stays as the reference point. Open: L2 prefetch of
-  # later weights; the fused logits cast + argmax; 16-key decode tiles; 2-warp decode programs (one 32-key tile
-  # of 16 padded rows is little work for 4 warps); the 8B with session 6's decode defaults
-  # (32-key tiles + prefetch, measured only apart on the 8B) against the old ones.
+  # Decided A/Bs (BENCHMARKS.md) leave the list (KESTREL_PDL=0, the reference point, measured +26% three times,
+  # left it to make room). Open: L2 prefetch of later weights; the fused logits cast + argmax; 16-key decode
+  # tiles; 2-warp decode programs (one 32-key tile of 16 padded rows is little work for 4 warps); the 8B with
+  # session 6's decode defaults (32-key tiles + prefetch, measured only apart on the 8B) against the old ones; the
+  # 8B's o_proj alone on Triton (a 40 MB cap: 32 MB o_proj in, 48 MB qkv out; no split-K reduce).
   for ab in ${PROFILE_AB:-KESTREL_L2_PREFETCH=1 llama-3.1-8b@KESTREL_L2_PREFETCH=1 KESTREL_FUSED_ARGMAX=1 \
       llama-3.1-8b@KESTREL_FUSED_ARGMAX=1 KESTREL_DECODE_BLOCK_N=16 KESTREL_DECODE_WARPS=2 \
       KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 \
-      llama-3.1-8b@KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 KESTREL_PDL=0}; do
+      llama-3.1-8b@KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 llama-3.1-8b@KESTREL_SKINNY_MAX_MB=40}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"
