@@ -11,8 +11,18 @@ import json
 from pathlib import Path
 
 
+WATCHED = {"_skinny_matmul_kernel": "skinny_exposed_us", "_decode_kernel": "decode_exposed_us"}
+
+
+def _watched(result: dict) -> dict:
+    """Exposed us per launch of the kernels most A/Bs move (absent in older JSON: None)."""
+    found = {k["name"]: k.get("exposed_us_each") for k in result.get("kernels", [])}
+    return {key: found.get(name) for name, key in WATCHED.items()}
+
+
 def ab_rows(out_dir: Path) -> list[dict]:
-    """One row per A/B file whose model has a baseline: model, switch (from the file name), step ms, change."""
+    """One row per A/B file whose model has a baseline: model, switch (from the file name), step ms, change, and
+    the skinny-matmul and decode kernels' exposed us per launch."""
     baseline = {r["model"]: r["engine_step_ms"] for r in json.loads((out_dir / "profile.json").read_text())}
     rows = []
     for path in sorted(out_dir.glob("profile_ab_*.json")):
@@ -23,14 +33,17 @@ def ab_rows(out_dir: Path) -> list[dict]:
             prefix = f"profile_ab_{r['model']}_"
             switch = path.stem[len(prefix):] if path.stem.startswith(prefix) else path.stem   # '=' and '+' as '_'
             rows.append({"model": r["model"], "switch": switch, "step_ms": r["engine_step_ms"], "base_ms": base,
-                         "change_pct": 100 * (r["engine_step_ms"] / base - 1)})
+                         "change_pct": 100 * (r["engine_step_ms"] / base - 1), **_watched(r)})
     return rows
 
 
 def markdown(rows: list[dict]) -> str:
-    lines = ["| model | switch | step ms | baseline ms | change |", "|---|---|---|---|---|"]
-    lines += [f"| {r['model']} | {r['switch']} | {r['step_ms']:.3f} | {r['base_ms']:.3f} | {r['change_pct']:+.1f}% |"
-              for r in rows]
+    def us(value: float | None) -> str:
+        return "" if value is None else f"{value:.2f}"
+    lines = ["| model | switch | step ms | baseline ms | change | skinny exposed us | decode exposed us |",
+             "|---|---|---|---|---|---|---|"]
+    lines += [f"| {r['model']} | {r['switch']} | {r['step_ms']:.3f} | {r['base_ms']:.3f} | {r['change_pct']:+.1f}% "
+              f"| {us(r.get('skinny_exposed_us'))} | {us(r.get('decode_exposed_us'))} |" for r in rows]
     return "\n".join(lines)
 
 

@@ -66,7 +66,7 @@ if [[ $STAGES == *" profile "* ]]; then
     # Each A/B's whole kernel table goes to its own JSON; the log keeps the step time.
     env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
       --out "$OUT/profile_ab_${model}_$(echo "$switch" | tr -c 'A-Za-z0-9\n' _).json" \
-      2>> "$LOG" | grep -E "^##|engine.step" | tee -a "$LOG"
+      2>> "$LOG" | grep -E "^##|engine.step|busy" | tee -a "$LOG"
   done
 fi
 if [[ $STAGES == *" bench "* ]]; then

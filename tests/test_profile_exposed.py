@@ -20,12 +20,14 @@ def test_ab_summary_sets_each_switch_against_its_models_baseline(tmp_path):
     from benchmarks.ab_summary import ab_rows, markdown
     (tmp_path / "profile.json").write_text(json.dumps([{"model": "qwen3-0.6b", "engine_step_ms": 0.8},
                                                        {"model": "llama-3.1-8b", "engine_step_ms": 4.0}]))
-    (tmp_path / "profile_ab_qwen3-0.6b_KESTREL_X_1.json").write_text(
-        json.dumps([{"model": "qwen3-0.6b", "engine_step_ms": 0.72}]))
+    (tmp_path / "profile_ab_qwen3-0.6b_KESTREL_X_1.json").write_text(json.dumps([{
+        "model": "qwen3-0.6b", "engine_step_ms": 0.72,
+        "kernels": [{"name": "_decode_kernel", "exposed_us_each": 6.5}, {"name": "other", "exposed_us_each": 1.0}]}]))
     (tmp_path / "profile_ab_llama-3.1-8b_KESTREL_Y_0.json").write_text(
         json.dumps([{"model": "llama-3.1-8b", "engine_step_ms": 4.2}]))
     (tmp_path / "profile_ab_other_KESTREL_Z_1.json").write_text(json.dumps([{"model": "other", "engine_step_ms": 1}]))
     rows = {r["switch"]: r for r in ab_rows(tmp_path)}
     assert set(rows) == {"KESTREL_X_1", "KESTREL_Y_0"}   # no baseline, no row
     assert round(rows["KESTREL_X_1"]["change_pct"], 6) == -10.0 and round(rows["KESTREL_Y_0"]["change_pct"], 6) == 5.0
-    assert "| qwen3-0.6b | KESTREL_X_1 | 0.720 | 0.800 | -10.0% |" in markdown(list(rows.values()))
+    assert rows["KESTREL_X_1"]["decode_exposed_us"] == 6.5 and rows["KESTREL_X_1"]["skinny_exposed_us"] is None
+    assert "| qwen3-0.6b | KESTREL_X_1 | 0.720 | 0.800 | -10.0% |  | 6.50 |" in markdown(list(rows.values()))
