@@ -78,12 +78,16 @@ def first_tensors(out: object) -> list[torch.Tensor]:
     return list(out) if isinstance(out, (tuple, list)) else [out]
 
 
-def bench(models: list[str], tokens: tuple[int, ...], save: Callable[[list[dict]], None]) -> list[dict]:
+def bench(models: list[str], tokens: tuple[int, ...], save: Callable[[list[dict]], None],
+          ops: set[str] | None = None) -> list[dict]:
+    """ops: the names of make_ops to time (None: all)."""
     device, dtype = torch.device("cuda"), torch.bfloat16
     rows = []
     for model in models:
         for t in tokens:
             for name, (triton_call, ref_call) in make_ops(model, t, device, dtype).items():
+                if ops is not None and name not in ops:
+                    continue
                 compiled = torch.compile(ref_call, dynamic=False)   # one compiled object per shape: no recompiles
                 for got, want in zip(first_tensors(compiled()), first_tensors(triton_call())):
                     torch.testing.assert_close(got.float(), want.float(), atol=3e-2, rtol=3e-2)
@@ -103,6 +107,8 @@ def main() -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--tokens", default=",".join(map(str, TOKENS)))
     ap.add_argument("--out", default=None)
+    ap.add_argument("--ops", default=None, help="comma-separated op names to time (default: all), e.g. "
+                    "rotary,qk_prologue: the rows session 5's run did not reach or timed unfairly")
     args = ap.parse_args()
     print("| model | tokens | op | Triton us | torch.compile us | eager us | compile / Triton |")
     print("|---|---|---|---|---|---|---|")
@@ -113,7 +119,8 @@ def main() -> int:
                 json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
                           indent=1)
 
-    bench(args.models.split(","), tuple(int(t) for t in args.tokens.split(",")), save)
+    bench(args.models.split(","), tuple(int(t) for t in args.tokens.split(",")), save,
+          set(args.ops.split(",")) if args.ops else None)
     return 0
 
 

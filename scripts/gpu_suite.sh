@@ -40,7 +40,9 @@ if [[ $STAGES == *" tests "* ]]; then
 fi
 if [[ $STAGES == *" ops "* ]]; then
   step "fused elementwise ops: Triton vs torch.compile vs eager (inside CUDA graphs)"
-  timeout ${OPS_TIMEOUT:-300} python3 -m benchmarks.fused_ops_bench --out "$OUT/fused_ops.json" 2>> "$LOG" | tee -a "$LOG"
+  # OPS_ARGS, e.g. "--ops rotary,qk_prologue", times only some rows.
+  timeout ${OPS_TIMEOUT:-300} python3 -m benchmarks.fused_ops_bench --out "$OUT/fused_ops.json" ${OPS_ARGS:-} \
+    2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then
