@@ -12,6 +12,7 @@ import triton
 import triton.language as tl
 
 from kestrel.layers.l2_prefetch import SLOTS, prefetch_chunks
+from tests.sm90 import compile_for_sm90
 from tests.triton_interpreter import INTERPRETED, interpreted_only, run_file_under_interpreter
 
 interpreted = interpreted_only("test_l2_prefetch_under_triton_interpreter")
@@ -51,26 +52,11 @@ def test_chunks_tile_the_region_once_in_aligned_pieces(nbytes, programs):
 
 def _compile_skinny_for_sm90(regions: int) -> str:
     """PTX of the bf16 skinny matmul (add-RMSNorm prologue, whole 1024-wide slice, PDL) built for an H100/H200."""
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-    import triton
-
     from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
     constexprs = dict(K=1024, PROLOGUE=PROLOGUE_RMS.value, HAS_RES=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16,
                       BLOCK_K=1024, USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32",
                       PREFETCH_REGIONS=regions, USE_PDL=True)
-    signature = {}
-    for name in _skinny_matmul_kernel.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name.endswith("_ptr"):
-            signature[name] = "*bf16"
-        elif name.endswith("_bytes"):
-            signature[name] = "i64"
-        else:
-            signature[name] = "fp32" if name == "eps" else "i32"
-    src = ASTSource(fn=_skinny_matmul_kernel, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return compile_for_sm90(_skinny_matmul_kernel, constexprs, {"eps": "fp32"})
 
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for sm_90; the interpreter child runs the chunk test")
@@ -87,14 +73,9 @@ def test_skinny_matmul_for_sm90_asks_l2_for_each_region_before_the_pdl_wait(regi
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles for sm_90; the interpreter child runs the chunk test")
 def test_standalone_prefetch_kernel_for_sm90_asks_l2_then_waits():
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     from kestrel.layers.l2_prefetch import _prefetch_kernel
-    src = ASTSource(fn=_prefetch_kernel, signature={"ptr": "*bf16", "nbytes": "i64", "SLOTS": "constexpr",
-                                                    "USE_PDL": "constexpr"},
-                    constexprs={"SLOTS": SLOTS, "USE_PDL": True})
-    lines = triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"].splitlines()
+    lines = compile_for_sm90(_prefetch_kernel, {"SLOTS": SLOTS, "USE_PDL": True},
+                             {"ptr": "*bf16", "nbytes": "i64"}).splitlines()
     prefetches = [i for i, line in enumerate(lines) if "cp.async.bulk.prefetch.L2.global" in line]
     waits = [i for i, line in enumerate(lines) if "griddepcontrol.wait" in line]
     assert len(prefetches) == 1 and waits and prefetches[0] < waits[0]
