@@ -73,7 +73,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
               "overlap_schedule": True}
     if graphs is None:
         return result
-    graph = graphs.graphs[1]
+    graph = graphs.graphs[graphs.buckets[0]]   # bs1 replays the smallest bucket (KESTREL_GRAPH_MIN_BS)
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     for _ in range(5):
         graph.replay()

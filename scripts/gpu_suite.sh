@@ -57,11 +57,13 @@ if [[ $STAGES == *" profile "* ]]; then
   # left it to make room). Open: L2 prefetch of later weights; the fused logits cast + argmax; 16-key decode
   # tiles; 2-warp decode programs (one 32-key tile of 16 padded rows is little work for 4 warps); the 8B with
   # session 6's decode defaults (32-key tiles + prefetch, measured only apart on the 8B) against the old ones; the
-  # 8B's o_proj alone on Triton (a 40 MB cap: 32 MB o_proj in, 48 MB qkv out; no split-K reduce).
+  # 8B's o_proj alone on Triton (a 40 MB cap: 32 MB o_proj in, 48 MB qkv out; no split-K reduce); the 8B's bs1
+  # step through the 8-row graph (does cuBLAS drop split-K at 8 rows?).
   for ab in ${PROFILE_AB:-KESTREL_L2_PREFETCH=1 llama-3.1-8b@KESTREL_L2_PREFETCH=1 KESTREL_FUSED_ARGMAX=1 \
       llama-3.1-8b@KESTREL_FUSED_ARGMAX=1 KESTREL_DECODE_BLOCK_N=16 KESTREL_DECODE_WARPS=2 \
       KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 \
-      llama-3.1-8b@KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 llama-3.1-8b@KESTREL_SKINNY_MAX_MB=40}; do
+      llama-3.1-8b@KESTREL_DECODE_BLOCK_N=64+KESTREL_DECODE_PREFETCH=0 llama-3.1-8b@KESTREL_SKINNY_MAX_MB=40 \
+      llama-3.1-8b@KESTREL_GRAPH_MIN_BS=8}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"

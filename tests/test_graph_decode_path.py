@@ -12,6 +12,22 @@ PROMPTS = ["import os", "def f(x):\n    return x", "class A:\n    pass\n" * 3, "
 def test_bucket_ladder():
     assert batch_size_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_size_buckets(256)[-1] == 256
     assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
+    assert batch_size_buckets(256, min_bs=8)[:3] == [8, 16, 32] and batch_size_buckets(4, min_bs=8) == [4]
+
+
+def test_lone_sequences_pad_up_to_the_smallest_captured_bucket(checkpoint_factory, monkeypatch):
+    """KESTREL_GRAPH_MIN_BS=8: batches of 1-3 replay the 8-row graph body, padding included, with the eager
+    engine's tokens."""
+    monkeypatch.setenv("KESTREL_GRAPH_MIN_BS", "8")
+    path = str(checkpoint_factory("llama"))
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    eager = LLM(model=path, device="cpu").generate(PROMPTS[:3], params)
+    llm = LLM(model=path, device="cpu")
+    runner = llm.engine.runner
+    runner.graphs = CudaGraphRunner(runner, max_bs=16, max_blocks_per_seq=32, max_rows=16)
+    assert runner.graphs.buckets == [8, 16]
+    graphed = [llm.generate(p, params)[0] for p in PROMPTS[:3]]   # one at a time: batch 1 in the 8-row body
+    assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
 
 
 def test_graph_decode_path_matches_eager_under_preemption(checkpoint_factory):

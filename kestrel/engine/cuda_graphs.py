@@ -43,12 +43,20 @@ from kestrel.progress import Progress
 logger = logging.getLogger("kestrel.cuda_graphs")
 
 
-def batch_size_buckets(max_bs: int) -> list[int]:
+def batch_size_buckets(max_bs: int, min_bs: int = 1) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_bs; buckets below min_bs are left out (smaller batches pad up)."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_bs]
     buckets += list(range(16, max_bs + 1, 16))
     if buckets[-1] != max_bs:
         buckets.append(max_bs)
-    return buckets
+    return [b for b in buckets if b >= min_bs] or [max_bs]
+
+
+def graph_min_bs() -> int:
+    """KESTREL_GRAPH_MIN_BS (A/B knob, default 1): the smallest captured batch. At 8, a lone sequence replays the
+    8-row graph, so cuBLAS picks its kernels for 8 rows (the 8B's o_proj and down_proj use split-K and a reduce
+    kernel at one row) at the price of 7 padded rows in the attention and Triton kernels."""
+    return int(os.environ.get("KESTREL_GRAPH_MIN_BS", "1"))
 
 
 @dataclass(slots=True)
@@ -70,7 +78,7 @@ class CudaGraphRunner:
         self.runner = runner
         self.max_bs = max_bs
         self.query_len = q = query_len
-        self.buckets = batch_size_buckets(max_bs)
+        self.buckets = batch_size_buckets(max_bs, graph_min_bs())
         self.max_updates = 2 * max_bs
         self.max_rows = max_rows
         self.dummy_row = max_rows
