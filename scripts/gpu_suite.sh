@@ -124,3 +124,8 @@ step "summary"
 python3 -m benchmarks.ab_summary "$OUT" 2>/dev/null | tee "$OUT/ab_summary.md"   # profile A/Bs vs their baselines
 cat "$OUT/serve_comparison.md" 2>/dev/null | head -30
 [ -f "$OUT/bench.json" ] && python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"
+# The device tool brings back at most 8 files from $OUT: past that, every JSON goes into one archive.
+if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
+  (cd "$OUT" && tar czf results.tar.gz --exclude results.tar.gz ./*.json ./*.md 2>/dev/null \
+    && find . -maxdepth 1 -name '*.json' -delete && echo "JSON packed into $OUT/results.tar.gz")
+fi
