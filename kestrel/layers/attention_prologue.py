@@ -203,7 +203,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
 
 
 def prefetch_rotary_before_wait() -> bool:
-    """Experiment, off until measured on the H200 (KESTREL_PROLOGUE_PREFETCH=1): the position and cos/sin loads
-    (two dependent round trips) before the PDL wait instead of after it. Prediction: about one L2 round trip off
-    each layer's critical path, -0.5 to -0.8 us per layer, -2 to -3% of the Qwen3-0.6B bs1 step."""
+    """Experiment, off (KESTREL_PROLOGUE_PREFETCH=1): the position and cos/sin loads (two dependent round trips)
+    before the PDL wait instead of after it. Predicted -2 to -3% of the Qwen3-0.6B bs1 step; measured on the H200
+    -0.5% alone and nothing on top of the decode prefetch (BENCHMARKS.md, session 6), so it stays off."""
     return os.environ.get("KESTREL_PROLOGUE_PREFETCH", "0") == "1"

@@ -423,7 +423,8 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         return out, res_out
     block_m = DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m)
     res, ro = (residual, res_out) if with_res else (x, out)     # unused by the kernel without a residual
-    pf_args, regions = prefetch_args(prefetch if l2_prefetch_enabled(x.device) else (), w)
+    # The switch is only read when a plan handed regions in: most launches carry none (every one, by default).
+    pf_args, regions = prefetch_args(prefetch if prefetch and l2_prefetch_enabled(x.device) else (), w)
     _skinny_matmul_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, res, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, ro,
         *pf_args,

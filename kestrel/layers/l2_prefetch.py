@@ -81,9 +81,9 @@ PREFETCH_PROGRAMS = 64   # a few hundred bytes to a few KB per lane for tens of 
 
 def prefetch_into_l2(tensors: tuple[torch.Tensor, ...]) -> None:
     """Launch the standalone prefetch for each tensor's first MAX_PREFETCH_BYTES (no-op where it is off)."""
+    if not tensors or not l2_prefetch_enabled(tensors[0].device):
+        return
     for t in tensors:
-        if not l2_prefetch_enabled(t.device):
-            return
         (ptr, nbytes, _, _), _ = prefetch_args((t,), t)   # checks contiguity and alignment
         _prefetch_kernel[(PREFETCH_PROGRAMS,)](ptr, min(nbytes, MAX_PREFETCH_BYTES), SLOTS=SLOTS,
                                                **launch_options(t.device))
