@@ -5,7 +5,7 @@ from __future__ import annotations
 
 def compile_for_sm90(fn, constexprs: dict, types: dict[str, str]) -> str:
     """PTX of `fn` for sm_90. Arguments not in `constexprs` take their type from `types` by name, else by
-    suffix: *_ptr '*bf16', *_bytes 'i64', anything else 'i32'."""
+    suffix: *_ptr '*bf16', anything else 'i32'."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -19,6 +19,6 @@ def compile_for_sm90(fn, constexprs: dict, types: dict[str, str]) -> str:
         elif name.endswith("_ptr"):
             signature[name] = "*bf16"
         else:
-            signature[name] = "i64" if name.endswith("_bytes") else "i32"
+            signature[name] = "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
     return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]

@@ -41,12 +41,9 @@ def enable_fused_ops(model: nn.Module, backend: AttentionBackend | None = None) 
     skinny = skinny_matmuls(os.environ.get("KESTREL_SKINNY_MATMUL", "auto"))
     if skinny is not None:
         from kestrel.models.llama import DecoderLayer
-        layers = [module for module in model.modules() if isinstance(module, DecoderLayer)]
-        for layer in layers:
-            layer.skinny = skinny
-        if os.environ.get("KESTREL_L2_PREFETCH", "0") == "1":   # experiment (layers/l2_prefetch.py)
-            from kestrel.layers.l2_prefetch import plan_layer_prefetches
-            plan_layer_prefetches(layers, skinny.use_triton)
+        for module in model.modules():
+            if isinstance(module, DecoderLayer):
+                module.skinny = skinny
     if backend is not None and os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0":
         from kestrel.layers.attention_prologue import qk_norm_rope_store
         enable_fused_attn_prologue(model, backend, qk_norm_rope_store)

@@ -51,7 +51,6 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.layers.l2_prefetch import SLOTS, l2_prefetch, l2_prefetch_enabled, prefetch_args
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 MAX_M = 16                  # rows this kernel serves; callers use cuBLAS above it
@@ -61,7 +60,6 @@ TARGET_PROGRAMS = 256       # ~2 per SM on a 132-SM H100/H200, so every SM strea
 TILE_ELEMENTS = 8192        # weight elements per K step per program (16 KB in bf16): enough loads in flight
 MAX_UNROLL = 16             # K steps fully unrolled (loads can be hoisted); longer loops are software-pipelined
 WHOLE_SLICE_ELEMENTS = 16384   # a program's K slice up to 32 KB (bf16) read as one tile (8 warps above TILE_ELEMENTS)
-PREFETCH_SLOTS: tl.constexpr = tl.constexpr(SLOTS)
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS: tl.constexpr = tl.constexpr(1)
@@ -324,22 +322,17 @@ def _mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
 @triton.jit
 def _skinny_matmul_kernel(
     x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
-    pf_a_ptr, pf_a_bytes, pf_b_ptr, pf_b_bytes,   # weights of later matmuls, asked into L2 (l2_prefetch.py)
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, PREFETCH_REGIONS: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
     # The first weight tile does not depend on the kernel before this one: under PDL it is read while that
     # kernel finishes (for most decode shapes it is the program's whole slice of w).
     w = _w_tile(w_ptr, 0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
-    if PREFETCH_REGIONS >= 1:   # after this kernel's own loads are queued; nothing waits on these
-        l2_prefetch(pf_a_ptr, pf_a_bytes, PREFETCH_SLOTS)
-    if PREFETCH_REGIONS >= 2:
-        l2_prefetch(pf_b_ptr, pf_b_bytes, PREFETCH_SLOTS)
     pdl_wait(USE_PDL)
     rstd = tl.zeros([BLOCK_M], tl.float32)
     if PROLOGUE == PROLOGUE_RMS:
@@ -373,19 +366,15 @@ def _skinny_matmul_kernel(
 # ---------------------------------------------------------------------------------------------------------------
 
 
-# Every launcher takes `prefetch`: up to two weights of later matmuls that the kernel asks into L2 before its PDL
-# wait where KESTREL_L2_PREFETCH=1 and the GPU can (kestrel/layers/l2_prefetch.py); ignored elsewhere.
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+         config: GemvConfig | None = None) -> torch.Tensor:
     """Triton twin of gemv_ref: x [M <= 16, K] (unit last stride) @ w [N, K].T (+ bias [N]) -> [M, N]."""
-    return _launch(PROLOGUE_NONE.value, x, None, None, 0.0, w, bias, w.shape[1], config, prefetch)[0]
+    return _launch(PROLOGUE_NONE.value, x, None, None, 0.0, w, bias, w.shape[1], config)[0]
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
-                      prefetch: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of add_rms_norm_gemv_ref: (rms_norm(x + residual) @ w.T (+ bias) [M, N], x + residual [M, K]).
 
     With residual None the second result is x itself.
@@ -396,21 +385,21 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     if residual is not None:
         assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
         assert residual.dtype == x.dtype and residual.stride(-1) == 1, "residual: x's dtype, unit last stride"
-    out, res_out = _launch(PROLOGUE_RMS.value, x, residual, norm_weight, eps, w, bias, hidden, config, prefetch)
+    out, res_out = _launch(PROLOGUE_RMS.value, x, residual, norm_weight, eps, w, bias, hidden, config)
     return out, (x if residual is None else res_out)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+                  config: GemvConfig | None = None) -> torch.Tensor:
     """Triton twin of silu_mul_gemv_ref: gate_up [M <= 16, 2I] = [gate | up], w [N, I] -> [M, N]."""
     width = gate_up.shape[-1]
     assert width % 2 == 0, f"gate_up's last dim {width} is not [gate | up]"
-    return _launch(PROLOGUE_SILU.value, gate_up, None, None, 0.0, w, bias, width // 2, config, prefetch)[0]
+    return _launch(PROLOGUE_SILU.value, gate_up, None, None, 0.0, w, bias, width // 2, config)[0]
 
 
 def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float, w: torch.Tensor, bias: torch.Tensor | None, k: int, config: GemvConfig | None,
-            prefetch: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor | None]:
+            eps: float, w: torch.Tensor, bias: torch.Tensor | None, k: int, config: GemvConfig | None
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_operands(x, w, bias, k)
     m, n = x.shape[0], w.shape[0]
     cfg = config or default_config(m, n, k)
@@ -423,18 +412,14 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         return out, res_out
     block_m = DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m)
     res, ro = (residual, res_out) if with_res else (x, out)     # unused by the kernel without a residual
-    # The switch is only read when a plan handed regions in: most launches carry none (every one, by default).
-    pf_args, regions = prefetch_args(prefetch if prefetch and l2_prefetch_enabled(x.device) else (), w)
     _skinny_matmul_kernel[(triton.cdiv(n, cfg.block_n),)](
         x, res, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, ro,
-        *pf_args,
         m, n, x.stride(0), res.stride(0), ro.stride(0), w.stride(0), out.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RES=with_res, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, FOLD=fold, UNROLL=cfg.unroll,
         DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 models keep exact fp32 dots
-        PREFETCH_REGIONS=regions,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out, res_out

@@ -33,28 +33,23 @@ class SkinnyMatmuls:
     def _triton(self, x: torch.Tensor, linear: nn.Module) -> bool:
         return self.use_triton(x.shape[0], *linear.weight.shape)
 
-    # `prefetch`: weights of later matmuls for a Triton kernel to ask into L2 (layers/l2_prefetch.py); the
-    # cuBLAS path cannot and ignores them.
-    def linear(self, x: torch.Tensor, linear: nn.Module, prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
-        if self._triton(x, linear):
-            return self.gemv(x, linear.weight, linear.bias, prefetch=prefetch)
-        return linear(x)
+    def linear(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        return self.gemv(x, linear.weight, linear.bias) if self._triton(x, linear) else linear(x)
 
-    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module,
-                    prefetch: tuple[torch.Tensor, ...] = ()) -> tuple[torch.Tensor, torch.Tensor]:
+    def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream."""
         if self._triton(x, linear):
-            return self.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
-                                          prefetch=prefetch)
+            return self.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
         if residual is None:
             return linear(norm(x)), x
         hidden, residual = norm(x, residual)
         return linear(hidden), residual
 
-    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, silu_and_mul: Callable | None = None,
-                    prefetch: tuple[torch.Tensor, ...] = ()) -> torch.Tensor:
+    def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, silu_and_mul: Callable | None = None
+                    ) -> torch.Tensor:
         if self._triton(gate_up, linear):
-            return self.silu_mul_gemv(gate_up, linear.weight, linear.bias, prefetch=prefetch)
+            return self.silu_mul_gemv(gate_up, linear.weight, linear.bias)
         if silu_and_mul is not None:
             return linear(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)

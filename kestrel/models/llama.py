@@ -89,8 +89,6 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.skinny: SkinnyMatmuls | None = None   # set by fast_path on CUDA: small-batch fused matmuls
-        # matmul name -> weights of later matmuls its skinny kernel asks into L2 (fast_path, KESTREL_L2_PREFETCH)
-        self.l2_prefetch: dict[str, tuple[torch.Tensor, ...]] = {}
 
     def forward(self, hidden, residual, batch, backend, k_cache, v_cache):
         skinny = self.skinny
@@ -108,15 +106,11 @@ class DecoderLayer(nn.Module):
 
     def _forward_skinny(self, sk: SkinnyMatmuls, hidden, residual, batch, backend, k_cache, v_cache):
         """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
-        attn, mlp, pf = self.self_attn, self.mlp, self.l2_prefetch
-        qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj, pf.get("qkv", ()))
-        if pf.get("attention"):   # KESTREL_L2_PREFETCH with o_proj on cuBLAS: a prefetch launch of its own
-            from kestrel.layers.l2_prefetch import prefetch_into_l2   # Triton: only where the plan exists
-            prefetch_into_l2(pf["attention"])
-        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj, pf.get("o", ()))
-        gate_up, residual = sk.norm_linear(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj,
-                                           pf.get("gate_up", ()))
-        return sk.silu_linear(gate_up, mlp.down_proj, mlp.silu_and_mul, pf.get("down", ())), residual
+        attn, mlp = self.self_attn, self.mlp
+        qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
+        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
+        gate_up, residual = sk.norm_linear(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj)
+        return sk.silu_linear(gate_up, mlp.down_proj, mlp.silu_and_mul), residual
 
 
 class LlamaForCausalLM(nn.Module):
