@@ -1,6 +1,7 @@
 """The kernels whose next settings await an H200 A/B build for sm_90 (tests/sm90.py: Triton's ptxas, no GPU), so a
 device call is not spent finding a compile error: decode attention at each tile and warp count the suite tries,
-and the fused logits cast + argmax. The interpreter tests hold their numerics; tests/gpu their results on the GPU."""
+the fused logits cast + argmax, and where the PDL kernels signal (after the wait, or first under
+KESTREL_PDL_EARLY_SIGNAL). The interpreter tests hold their numerics; tests/gpu their results on the GPU."""
 from __future__ import annotations
 
 import pytest
@@ -33,3 +34,46 @@ def test_logits_argmax_kernel_builds_for_sm90():
                            {"out_ptr": "*fp32", "tokens_ptr": "*i64", "part_max_ptr": "*fp32",
                             "part_idx_ptr": "*i32", "counter_ptr": "*i32"})
     assert "atom" in ptx and "ld.global.cg" in ptx   # the row counter, and partials read past L1
+
+
+def _signal_order(ptx: str) -> list[str]:
+    """The griddepcontrol instructions of a kernel's PTX, in program order."""
+    return [line.split()[0] for line in ptx.splitlines() if line.strip().startswith("griddepcontrol.")]
+
+
+@pytest.mark.parametrize("use_pdl,order", [
+    (True, ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]),      # the default: signal after the wait
+    (2, ["griddepcontrol.launch_dependents;", "griddepcontrol.wait;"]),        # KESTREL_PDL_EARLY_SIGNAL: at start
+])
+def test_pdl_signal_placement_for_sm90(use_pdl, order):
+    """Every PDL kernel of the decode step signals either after its wait (default) or first thing (the early-signal
+    experiment, USE_PDL = EARLY_SIGNAL), and exactly once."""
+    from kestrel.attention.triton_kernels import _decode_kernel
+    from kestrel.layers.fused_ops import _rms_norm_kernel
+    from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
+    from kestrel.layers.pdl import EARLY_SIGNAL_VALUE
+    assert use_pdl in (True, EARLY_SIGNAL_VALUE)
+    skinny = compile_for_sm90(_skinny_matmul_kernel, dict(
+        K=1024, PROLOGUE=PROLOGUE_RMS.value, HAS_RES=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024,
+        USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32", USE_PDL=use_pdl),
+        {"eps": "fp32"})
+    norm = compile_for_sm90(_rms_norm_kernel, dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, USE_PDL=use_pdl),
+                            {"eps": "fp32"})
+    decode = compile_for_sm90(_decode_kernel, dict(
+        GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16, DOT_FP32=False,
+        DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32, USE_PDL=use_pdl, PREFETCH=True),
+        DECODE_TYPES)
+    from kestrel.layers.attention_prologue import _qk_norm_rope_store_kernel
+    from kestrel.layers.fused_ops import _silu_and_mul_kernel
+    from kestrel.layers.logits_argmax import BLOCK, MAX_CHUNKS, _logits_argmax_kernel
+    silu = compile_for_sm90(_silu_and_mul_kernel, dict(I=3072, BLOCK=1024, USE_PDL=use_pdl), {})
+    prologue = compile_for_sm90(_qk_norm_rope_store_kernel, dict(
+        NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16, HAS_Q_NORM=True,
+        HAS_K_NORM=True, USE_PDL=use_pdl, PREFETCH=False),
+        {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"})
+    argmax = compile_for_sm90(_logits_argmax_kernel,
+                              dict(NUM_CHUNKS=38, BLOCK=BLOCK, BLOCK_C=64, MAX_CHUNKS=MAX_CHUNKS, USE_PDL=use_pdl),
+                              {"out_ptr": "*fp32", "tokens_ptr": "*i64", "part_max_ptr": "*fp32",
+                               "part_idx_ptr": "*i32", "counter_ptr": "*i32"})
+    for ptx in (skinny, norm, decode, silu, prologue, argmax):
+        assert _signal_order(ptx) == order

@@ -51,7 +51,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
 
 MAX_M = 16                  # rows this kernel serves; callers use cuBLAS above it
 DOT_BLOCK_M = 16            # tl.dot needs every dim >= 16: x rows are padded to this by masked loads
@@ -328,6 +328,7 @@ def _skinny_matmul_kernel(
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
     # The first weight tile does not depend on the kernel before this one: under PDL it is read while that
