@@ -26,9 +26,9 @@ weight reads overlap A's whole wait and compute instead of only A's compute:
                ^ A signalled at its start
 
 Still correct: griddepcontrol.wait waits for the kernel before to *finish* (and its writes to land) whenever it
-signalled. No deadlock: B launches only once all of A's programs are resident, and A needs nothing from B. The cost
-is SM room: up to three kernels' programs can be resident at once (A computing, B and C waiting), which may delay
-A's own later programs where its grid does not fit in one wave.
+signalled. No deadlock: B launches only once every program of A has started, and A needs nothing from B. The cost
+is SM room: waiting programs hold warps and registers (a skinny matmul's program holds its weight slice), and a
+chain of kernels may be resident and waiting at once, so the programs that have work can find the SMs fuller.
 """
 from __future__ import annotations
 
