@@ -62,8 +62,10 @@ if [[ $STAGES == *" profile "* ]]; then
   #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
   # KESTREL_PDL=0 (+26%, three times) left earlier. KESTREL_FUSED_ARGMAX=0 on both models is the reference point
   # for the new default. Open: 16-key decode tiles (-0.4%, within noise); kernels signalling their successor at
-  # their start instead of after their wait (KESTREL_PDL_EARLY_SIGNAL, layers/pdl.py).
-  for ab in ${PROFILE_AB:-KESTREL_PDL_EARLY_SIGNAL=1 llama-3.1-8b@KESTREL_PDL_EARLY_SIGNAL=1 KESTREL_FUSED_ARGMAX=0 \
+  # their start instead of after their wait (KESTREL_PDL_EARLY_SIGNAL, layers/pdl.py), alone and with the
+  # prologue's rotary loads before its wait (measured -0.5% alone in session 6; the wait gets longer to hide in).
+  for ab in ${PROFILE_AB:-KESTREL_PDL_EARLY_SIGNAL=1 llama-3.1-8b@KESTREL_PDL_EARLY_SIGNAL=1 \
+      KESTREL_PDL_EARLY_SIGNAL=1+KESTREL_PROLOGUE_PREFETCH=1 KESTREL_FUSED_ARGMAX=0 \
       llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
