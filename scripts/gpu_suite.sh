@@ -65,10 +65,11 @@ if [[ $STAGES == *" profile "* ]]; then
   # their start instead of after their wait (KESTREL_PDL_EARLY_SIGNAL, layers/pdl.py), alone and with the
   # prologue's rotary loads before its wait (measured -0.5% alone in session 6; the wait gets longer to hide in).
   # The 8B with every matmul on the Triton skinny kernel (no cuBLAS left in a layer: norms, SiLU and split-K
-  # reduces all fold away), and with all but gate_up there (KESTREL_SKINNY_MAX_MB=120).
+  # reduces all fold away), and with all but gate_up there (KESTREL_SKINNY_MAX_MB=120). The graph's input
+  # bookkeeping in one kernel (KESTREL_FUSED_GRAPH_INPUTS, engine/graph_inputs.py).
   for ab in ${PROFILE_AB:-KESTREL_PDL_EARLY_SIGNAL=1 llama-3.1-8b@KESTREL_PDL_EARLY_SIGNAL=1 \
       KESTREL_PDL_EARLY_SIGNAL=1+KESTREL_PROLOGUE_PREFETCH=1 llama-3.1-8b@KESTREL_SKINNY_MATMUL=all \
-      llama-3.1-8b@KESTREL_SKINNY_MAX_MB=120 KESTREL_FUSED_ARGMAX=0 \
+      llama-3.1-8b@KESTREL_SKINNY_MAX_MB=120 KESTREL_FUSED_GRAPH_INPUTS=1 KESTREL_FUSED_ARGMAX=0 \
       llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}

@@ -1,7 +1,7 @@
 """The kernels whose next settings await an H200 A/B build for sm_90 (tests/sm90.py: Triton's ptxas, no GPU), so a
 device call is not spent finding a compile error: decode attention at each tile and warp count the suite tries,
-the fused logits cast + argmax, and where the PDL kernels signal (after the wait, or first under
-KESTREL_PDL_EARLY_SIGNAL). The interpreter tests hold their numerics; tests/gpu their results on the GPU."""
+the fused logits cast + argmax, the fused graph inputs, and where the PDL kernels signal (after the wait, or
+first under KESTREL_PDL_EARLY_SIGNAL). The interpreter tests hold their numerics; tests/gpu their results on the GPU."""
 from __future__ import annotations
 
 import pytest
@@ -77,3 +77,14 @@ def test_pdl_signal_placement_for_sm90(use_pdl, order):
                                "part_idx_ptr": "*i32", "counter_ptr": "*i32"})
     for ptx in (skinny, norm, decode, silu, prologue, argmax):
         assert _signal_order(ptx) == order
+
+
+def test_graph_inputs_kernel_builds_for_sm90():
+    """KESTREL_FUSED_GRAPH_INPUTS's kernel at the 8B's graph sizes (8,192 blocks a row, 512 update slots)."""
+    from kestrel.engine.graph_inputs import _graph_inputs_kernel
+    names = ("tables_ptr", "dev_ptr", "rows_ptr", "src_ptr", "upd_rows_ptr", "upd_cols_ptr", "upd_vals_ptr",
+             "block_table_ptr", "ids_ptr")
+    ptx = compile_for_sm90(_graph_inputs_kernel,
+                           dict(WIDTH=8192, NUM_UPDATES=512, Q=1, BLOCK_Q=1, BLOCK_U=512, BLOCK_W=128),
+                           {name: "*i64" for name in names})
+    assert "ld.global" in ptx and "st.global" in ptx
