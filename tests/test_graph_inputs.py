@@ -50,7 +50,7 @@ def packed_step(gen, num_rows: int, width: int, bs: int, q: int, max_updates: in
 
 
 @interpreted
-@pytest.mark.parametrize("width,bs,q,max_updates", [(300, 6, 1, 16), (40, 5, 3, 8), (17, 4, 1, 64)])
+@pytest.mark.parametrize("width,bs,q,max_updates", [(1100, 6, 1, 16), (40, 5, 3, 8), (17, 4, 1, 64)])
 def test_matches_the_torch_ops(width, bs, q, max_updates):
     from kestrel.engine.cuda_graphs import graph_inputs_torch
     from kestrel.engine.graph_inputs import graph_inputs

@@ -11,18 +11,16 @@ On the H200 they take 3.2 + 2.1 + 2.1 us of a Qwen3-0.6B bs1 step (BENCHMARKS.md
 boundary. graph_inputs does all three in one launch, one program per batch row i:
 
     r = rows[i]
-    the update triples, one vector load: mine = (upd_rows == r); [lo, hi] = the columns they name
-    for each chunk of BLOCK_W columns of tables[r]:
-        vals = tables[r, chunk]
-        if the chunk meets [lo, hi]: vals[c] = v for each of mine (r, c, v), and tables[r, c] = v (persisted)
-        block_table[i, chunk] = vals
+    block_table[i, :] = tables[r, :]                       in chunks of COPY_BLOCK columns
+    barrier (every thread's copy stores first)
+    for each update (r, c, v) naming row r: block_table[i, c] = v; tables[r, c] = v (persisted)
     input_ids[i * Q .. i * Q + Q - 1] = dev[input_src[i * Q ..]]
 
-A program applies its own row's updates in registers before copying the row, so no program waits on another's
-writes. That covers every update because the host sends updates only for rows of the batch (engine/cuda_graphs.py
-`_launch_rows`; the overflow past the inline slots is written before the replay), and the padding updates name the
-dummy row, which padding batch rows read. Two programs share a row only when both are padding (the dummy row),
-and they write the same values.
+A program applies its own row's updates to its own copy, so no program waits on another's writes. That covers
+every update because the host sends updates only for rows of the batch (engine/cuda_graphs.py `_launch_rows`; the
+overflow past the inline slots is written before the replay), and the padding updates name the dummy row, which
+padding batch rows read. Two programs share a row only when both are padding (the dummy row), and they write the
+same values. Each program reads the update triples once as one vector (2 * max_bs slots).
 """
 from __future__ import annotations
 
@@ -30,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-MATCH_ELEMENTS = 65536   # the [updates, columns] comparison tile of one chunk: BLOCK_U * BLOCK_W
+COPY_BLOCK = 512   # block-table columns copied per loop step (4 KB of int64)
 
 
 @triton.jit
@@ -42,26 +40,22 @@ def _graph_inputs_kernel(
 ):
     i = tl.program_id(0)
     r = tl.load(rows_ptr + i)
-    u = tl.arange(0, BLOCK_U)
-    u_live = u < NUM_UPDATES
-    mine = (tl.load(upd_rows_ptr + u, mask=u_live, other=-1) == r) & u_live
-    u_cols = tl.load(upd_cols_ptr + u, mask=u_live, other=0)
-    u_vals = tl.load(upd_vals_ptr + u, mask=u_live, other=0)
-    lo = tl.min(tl.where(mine, u_cols, WIDTH), 0)    # WIDTH, -1 when no update names this row
-    hi = tl.max(tl.where(mine, u_cols, -1), 0)
     src_row = tables_ptr + r * stride_t
     dst_row = block_table_ptr + i.to(tl.int64) * stride_bt
     for c0 in range(0, WIDTH, BLOCK_W):   # a loop, not unrolled: WIDTH can be thousands of blocks
         cols = c0 + tl.arange(0, BLOCK_W)
         live = cols < WIDTH
-        vals = tl.load(src_row + cols, mask=live, other=0)
-        if (c0 <= hi) & (c0 + BLOCK_W > lo):
-            hit = mine[:, None] & (u_cols[:, None] == cols[None, :])          # [BLOCK_U, BLOCK_W]
-            changed = tl.max(hit.to(tl.int32), 0) > 0
-            new = tl.max(tl.where(hit, u_vals[:, None], -1), 0)                # block ids are >= 0
-            vals = tl.where(changed, new, vals)
-            tl.store(src_row + cols, vals, mask=live & changed)
-        tl.store(dst_row + cols, vals, mask=live)
+        tl.store(dst_row + cols, tl.load(src_row + cols, mask=live, other=0), mask=live)
+    # This row's updates over the copy: the barrier orders every thread's copy stores before the update stores
+    # (which may hit the same addresses), so the updates win.
+    tl.debug_barrier()
+    u = tl.arange(0, BLOCK_U)
+    u_live = u < NUM_UPDATES
+    mine = (tl.load(upd_rows_ptr + u, mask=u_live, other=-1) == r) & u_live
+    u_cols = tl.load(upd_cols_ptr + u, mask=mine, other=0)
+    u_vals = tl.load(upd_vals_ptr + u, mask=mine, other=0)
+    tl.store(dst_row + u_cols, u_vals, mask=mine)
+    tl.store(src_row + u_cols, u_vals, mask=mine)   # persisted for later steps
     t = tl.arange(0, BLOCK_Q)
     t_live = t < Q
     tok = i.to(tl.int64) * Q + t
@@ -85,11 +79,10 @@ def graph_inputs(tables: torch.Tensor, dev: torch.Tensor, rows: torch.Tensor, in
     input_ids = torch.empty(bs * q, dtype=torch.int64, device=tables.device)
     if bs == 0:
         return block_table, input_ids
-    block_u = triton.next_power_of_2(max(upd_rows.shape[0], 1))
-    block_w = min(triton.next_power_of_2(width), max(16, MATCH_ELEMENTS // block_u))
     _graph_inputs_kernel[(bs,)](
         tables, dev, rows, input_src, upd_rows, upd_cols, upd_vals, block_table, input_ids,
         tables.stride(0), block_table.stride(0), WIDTH=width, NUM_UPDATES=upd_rows.shape[0],
-        Q=q, BLOCK_Q=triton.next_power_of_2(q), BLOCK_U=block_u, BLOCK_W=block_w, num_warps=4,
+        Q=q, BLOCK_Q=triton.next_power_of_2(q), BLOCK_U=triton.next_power_of_2(max(upd_rows.shape[0], 1)),
+        BLOCK_W=min(triton.next_power_of_2(width), COPY_BLOCK), num_warps=4,
     )
     return block_table, input_ids
