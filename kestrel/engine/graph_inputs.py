@@ -66,7 +66,7 @@ def _graph_inputs_kernel(
 def graph_inputs(tables: torch.Tensor, dev: torch.Tensor, rows: torch.Tensor, input_src: torch.Tensor,
                  upd_rows: torch.Tensor, upd_cols: torch.Tensor, upd_vals: torch.Tensor
                  ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cuda_graphs.graph_inputs_torch in one launch: tables [R, W] int64 (updated in place), dev the packed int64 buffer,
+    """cuda_graphs.graph_inputs_torch in one launch: tables [R, W] (updated in place), dev the packed buffer,
     rows [B], input_src [B * Q] (indices into dev) and the update triples [U]: all int64, views of dev allowed.
     Returns (block_table [B, W], input_ids [B * Q])."""
     bs, width = rows.shape[0], tables.shape[1]
