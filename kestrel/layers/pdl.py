@@ -43,13 +43,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 def pdl_enabled(device: torch.device) -> bool:
     """PDL on a CUDA device of compute capability >= 9.0, unless KESTREL_PDL=0 or under Triton's interpreter."""
-    return os.environ.get("KESTREL_PDL", "1") != "0" and compiled_for_hopper(device)
-
-
-def compiled_for_hopper(device: torch.device) -> bool:
-    """Kernels compiled (not interpreted) for a CUDA device of compute capability >= 9.0, where sm_90
-    instructions (griddepcontrol, bulk copies and prefetches) exist."""
-    if device.type != "cuda" or triton.knobs.runtime.interpret:
+    if os.environ.get("KESTREL_PDL", "1") == "0" or device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
 
