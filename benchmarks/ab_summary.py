@@ -1,6 +1,7 @@
 """The profile stage's A/Bs in one table: each switch's bs1 step against the baseline of the same call.
 
     python -m benchmarks.ab_summary OUT_DIR    (reads OUT_DIR/profile.json and OUT_DIR/profile_ab_*.json)
+    python -m benchmarks.ab_summary OUT_DIR --best SWITCHES   (prints the fastest switch, see best_switch)
 
 An A/B file is named profile_ab_<model>_<switch>.json by scripts/gpu_suite.sh; its model comes from the JSON.
 """
@@ -37,6 +38,22 @@ def ab_rows(out_dir: Path) -> list[dict]:
     return rows
 
 
+def best_switch(rows: list[dict], switches: dict[str, str], min_gain_pct: float = 1.0) -> str | None:
+    """The switch, as written in the A/B list ('+' joining variables), of the fastest A/B that beat its baseline by
+    at least min_gain_pct; None if none did. switches maps '<model>_<switch as in the file name>' to it."""
+    winners = [r for r in rows if r["change_pct"] <= -min_gain_pct]
+    if not winners:
+        return None
+    best = min(winners, key=lambda r: r["change_pct"])
+    return switches.get(f"{best['model']}_{best['switch']}")
+
+
+def read_switches(path: Path) -> dict[str, str]:
+    """Lines '<model>_<switch as in the file name> <switch>' written by scripts/gpu_suite.sh's A/B loop."""
+    pairs = (line.split(maxsplit=1) for line in path.read_text().splitlines() if line.strip())
+    return {key: switch.strip() for key, switch in pairs}
+
+
 def markdown(rows: list[dict]) -> str:
     def us(value: float | None) -> str:
         return "" if value is None else f"{value:.2f}"
@@ -50,11 +67,17 @@ def markdown(rows: list[dict]) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("out_dir", type=Path)
+    ap.add_argument("--best", type=Path, metavar="SWITCHES",
+                    help="print the fastest A/B's switch (>= 1%% faster than its baseline), or nothing")
     args = ap.parse_args()
     if not (args.out_dir / "profile.json").exists():
         print("no profile.json: the profile stage did not run or did not finish")
         return 0
-    print(markdown(ab_rows(args.out_dir)))
+    rows = ab_rows(args.out_dir)
+    if args.best is not None:
+        print(best_switch(rows, read_switches(args.best)) or "")
+        return 0
+    print(markdown(rows))
     return 0
 
 

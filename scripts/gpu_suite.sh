@@ -8,6 +8,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; LOG=$OUT/suite.log; WORK=${KESTREL_BENCH_WORKDIR:-/tmp/kestrel-bench}
+mkdir -p "$WORK"; : > "$WORK/ab_switches.txt"   # this call's A/B switches, for BENCH_SWITCH=best
 if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # from scripts/fetch_gpu_wheels.sh, carried with the call
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
     && export PYTHONPATH=/tmp/site
@@ -74,16 +75,23 @@ if [[ $STAGES == *" profile "* ]]; then
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"
+    tag=$(echo "$switch" | tr -c 'A-Za-z0-9\n' _); echo "${model}_$tag $switch" >> "$WORK/ab_switches.txt"
     # Each A/B's whole kernel table goes to its own JSON; the log keeps the step time.
     env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
-      --out "$OUT/profile_ab_${model}_$(echo "$switch" | tr -c 'A-Za-z0-9\n' _).json" \
+      --out "$OUT/profile_ab_${model}_$tag.json" \
       2>> "$LOG" | grep -E "^##|engine.step|busy" | tee -a "$LOG"
   done
 fi
 if [[ $STAGES == *" bench "* ]]; then
   step "engine benchmarks"
-  timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" --out "$OUT/bench.json" \
-    "$@" >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
+  # BENCH_SWITCH=best: bench with the fastest of this call's profile A/Bs if it gained >= 1% (else the defaults).
+  BENCH_SWITCH=${BENCH_SWITCH:-}
+  if [ "$BENCH_SWITCH" = best ]; then
+    BENCH_SWITCH=$(python3 -m benchmarks.ab_summary "$OUT" --best "$WORK/ab_switches.txt" 2>> "$LOG")
+    echo "bench switch: ${BENCH_SWITCH:-none (no A/B gained 1%)}" | tee -a "$LOG"
+  fi
+  env ${BENCH_SWITCH//+/ } timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" \
+    --out "$OUT/bench.json" "$@" >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" prologue "* ]]; then
   step "fused attention prologue off (bs1 and 128 concurrent, no HF peer)"
