@@ -54,24 +54,21 @@ if [[ $STAGES == *" profile "* ]]; then
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
     --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
   # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together.
-  # Decided A/Bs leave the list (BENCHMARKS.md; session 7 for these):
-  #   L2 prefetch of later weights: +18.8% (0.6B), +2.1% (8B); the experiment is removed.
+  # Decided A/Bs leave the list (BENCHMARKS.md, sessions 7 and 8):
+  #   Kernels signalling their successor at their start (PDL early signal): +3.8% (0.6B), -0.3% (8B); removed.
+  #   The graph's input bookkeeping in one Triton kernel: +0.1% (0.6B); removed.
+  #   4 or 2 warps per whole-slice skinny program (fewer registers per SM): +0.3% / +0.6%; removed.
+  #   The 8B's matmuls on the Triton skinny kernel, all but gate_up (KESTREL_SKINNY_MAX_MB=120): +6.3%.
+  #   L2 prefetch of later weights: +18.8% (0.6B), +2.1% (8B); removed.
   #   Fused logits cast + argmax: -1.5% (0.6B), -0.9% (8B); now the default.
-  #   2-warp decode programs: +8%.
-  #   The old decode defaults (64-key tiles, no prefetch): +6.8% (0.6B), +0.4% (8B).
+  #   2-warp decode programs: +8%. The old decode defaults (64-key tiles, no prefetch): +6.8% (0.6B), +0.4% (8B).
   #   The 8B's o_proj alone on Triton (KESTREL_SKINNY_MAX_MB=40): +1.2%.
   #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
-  # KESTREL_PDL=0 (+26%, three times) left earlier. KESTREL_FUSED_ARGMAX=0 on both models is the reference point
-  # for the new default. Open: 16-key decode tiles (-0.4%, within noise); kernels signalling their successor at
-  # their start instead of after their wait (KESTREL_PDL_EARLY_SIGNAL, layers/pdl.py), alone and with the
-  # prologue's rotary loads before its wait (measured -0.5% alone in session 6; the wait gets longer to hide in).
-  # The 8B with every matmul on the Triton skinny kernel (no cuBLAS left in a layer: norms, SiLU and split-K
-  # reduces all fold away), and with all but gate_up there (KESTREL_SKINNY_MAX_MB=120). The graph's input
-  # bookkeeping in one kernel (KESTREL_FUSED_GRAPH_INPUTS, engine/graph_inputs.py).
-  for ab in ${PROFILE_AB:-KESTREL_PDL_EARLY_SIGNAL=1 llama-3.1-8b@KESTREL_PDL_EARLY_SIGNAL=1 \
-      KESTREL_PDL_EARLY_SIGNAL=1+KESTREL_PROLOGUE_PREFETCH=1 llama-3.1-8b@KESTREL_SKINNY_MATMUL=all \
-      llama-3.1-8b@KESTREL_SKINNY_MAX_MB=120 KESTREL_FUSED_GRAPH_INPUTS=1 KESTREL_FUSED_ARGMAX=0 \
-      llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16}; do
+  # KESTREL_PDL=0 (+26%, three times) left earlier. The default list re-measures the reference points: the fused
+  # argmax off on both models, 16-key decode tiles (-0.4%, within noise) and the prologue's rotary loads before
+  # its wait (-0.5% in session 6).
+  for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16 \
+      KESTREL_PROLOGUE_PREFETCH=1}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"

@@ -16,8 +16,6 @@ partial tiles in both N and K are exercised; both product paths (broadcast FMAs,
 """
 from __future__ import annotations
 
-import dataclasses
-
 import pytest
 import torch
 import torch.nn.functional as F
@@ -156,19 +154,6 @@ def test_whole_slice_is_the_broadcast_paths_default(monkeypatch, mode, whole_at_
     for m, whole in whole_at_m.items():
         assert gemv.default_config(m, 4096, 1024) == gemv.table_config(m, 4096, 1024, whole_slice=whole)
     assert (gemv.default_config(1, 4096, 1024).block_k == 1024) == whole_at_m[1]   # qkv of the 0.6B: one step
-
-
-@pytest.mark.skipif(INTERPRETED, reason="the interpreter has its own small-tile config")
-def test_gemv_warps_experiment_changes_only_whole_slice_programs(monkeypatch):
-    """KESTREL_GEMV_WARPS (experiment, off) sets the warps of one-K-step programs and leaves the rest alone."""
-    monkeypatch.delenv("KESTREL_GEMV_WARPS", raising=False)
-    assert gemv.whole_slice_warps() is None and gemv.default_config(1, 4096, 1024).num_warps == 8
-    monkeypatch.setenv("KESTREL_GEMV_WARPS", "4")
-    for n, k in [(4096, 1024), (6144, 1024), (1024, 2048), (1024, 3072)]:   # the 0.6B's four, one row
-        cfg = gemv.default_config(1, n, k)
-        assert cfg == dataclasses.replace(gemv.table_config(1, n, k, whole_slice=True), num_warps=4)
-    assert gemv.default_config(1, 4096, 4096) == gemv.table_config(1, 4096, 4096)   # several K steps: untouched
-    assert gemv.default_config(8, 4096, 1024) == gemv.table_config(8, 4096, 1024)
 
 
 # ------------------------------------------------------------------------------------------------ kernels

@@ -42,7 +42,7 @@ from kestrel.attention.triton_kernels import (
     decode_scratch,
 )
 from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at, write_new_kv
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 
 def fused_decode_enabled() -> bool:
@@ -70,7 +70,6 @@ def _decode_from_qkv_kernel(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
@@ -323,7 +323,6 @@ def _decode_kernel(
     INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
     PREFETCH: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
@@ -377,7 +376,6 @@ def _decode_reduce_kernel(
 ):
     """The merge as a second launch (MERGE=False), one program per (sequence, kv head); a sequence whose context
     fitted in one split already has its output."""
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     pdl_wait(USE_PDL)

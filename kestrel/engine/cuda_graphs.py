@@ -59,15 +59,6 @@ def graph_min_bs() -> int:
     return int(os.environ.get("KESTREL_GRAPH_MIN_BS", "1"))
 
 
-def graph_inputs_torch(tables: torch.Tensor, dev: torch.Tensor, rows: torch.Tensor, input_src: torch.Tensor,
-                       upd_rows: torch.Tensor, upd_cols: torch.Tensor, upd_vals: torch.Tensor
-                       ) -> tuple[torch.Tensor, torch.Tensor]:
-    """A graph step's inputs: the shipped (row, col, block) updates into `tables` (in place), then the batch's
-    block-table rows and its input tokens gathered from the packed buffer: (block_table, input_ids)."""
-    tables.index_put_((upd_rows, upd_cols), upd_vals)
-    return tables.index_select(0, rows), dev.index_select(0, input_src)
-
-
 @dataclass(slots=True)
 class GraphStepOutput:
     logits: torch.Tensor         # [bs, vocab] float32 (a view of the graph's static output)
@@ -121,12 +112,6 @@ class CudaGraphRunner:
         if device.type == "cuda" and os.environ.get("KESTREL_FUSED_ARGMAX", "1") == "1":
             from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
             self.argmax_scratch, self._logits_argmax = alloc_argmax_scratch(max_bs * q, device), logits_argmax
-        # The step's input bookkeeping: three torch ops, or one Triton kernel (engine/graph_inputs.py) under
-        # KESTREL_FUSED_GRAPH_INPUTS=1 (experiment, off until an H200 A/B)
-        self._inputs = graph_inputs_torch
-        if device.type == "cuda" and os.environ.get("KESTREL_FUSED_GRAPH_INPUTS", "0") == "1":
-            from kestrel.engine.graph_inputs import graph_inputs   # Triton: CUDA only
-            self._inputs = graph_inputs
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
@@ -144,9 +129,10 @@ class CudaGraphRunner:
 
     def _graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = bs * self.query_len   # query tokens
-        block_table, input_ids = self._inputs(self.tables, self.dev, self._view("rows", bs),
-                                              self._view("input_src", n), self._view("upd_rows"),
-                                              self._view("upd_cols"), self._view("upd_vals"))
+        upd_rows, upd_cols, upd_vals = self._view("upd_rows"), self._view("upd_cols"), self._view("upd_vals")
+        self.tables.index_put_((upd_rows, upd_cols), upd_vals)
+        block_table = self.tables.index_select(0, self._view("rows", bs))
+        input_ids = self.dev.index_select(0, self._view("input_src", n))
         batch = ForwardBatch(
             input_ids=input_ids, positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),

@@ -44,7 +44,7 @@ import triton.language as tl
 
 from kestrel.attention import torch_ref
 from kestrel.layers.fused_ops import apply_rotary_ref, rms_norm_ref
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
@@ -134,7 +134,6 @@ def _qk_norm_rope_store_kernel(
     BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)

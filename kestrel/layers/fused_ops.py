@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 # ---------------------------------------------------------------------------------------------------------------
 # RMSNorm, optionally fused with the residual add
@@ -39,7 +39,6 @@ def _rms_norm_kernel(
     eps,
     N: tl.constexpr, BLOCK: tl.constexpr, HAS_RESIDUAL: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     row = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, BLOCK)
     mask = cols < N
@@ -100,7 +99,6 @@ def silu_and_mul_ref(x: torch.Tensor) -> torch.Tensor:
 @triton.jit
 def _silu_and_mul_kernel(x_ptr, out_ptr, stride_x, stride_o, I: tl.constexpr, BLOCK: tl.constexpr,
                          USE_PDL: tl.constexpr):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     pdl_wait(USE_PDL)
     row = tl.program_id(0).to(tl.int64)
     cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)

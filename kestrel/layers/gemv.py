@@ -43,15 +43,15 @@ asserted: larger batches belong to cuBLAS.
 """
 from __future__ import annotations
 
-import dataclasses
 import os
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 MAX_M = 16                  # rows this kernel serves; callers use cuBLAS above it
 DOT_BLOCK_M = 16            # tl.dot needs every dim >= 16: x rows are padded to this by masked loads
@@ -96,7 +96,7 @@ def silu_mul_gemv_ref(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclass(frozen=True)
 class GemvConfig:
     block_n: int            # weight rows per program; with use_dot below 16 K is folded 16 / block_n ways
     block_k: int            # K step
@@ -111,23 +111,7 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
     mode = os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "1")
-    cfg = table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
-    warps = whole_slice_warps()
-    if warps is not None and cfg.block_k >= k:   # a whole-slice program (one K step)
-        cfg = dataclasses.replace(cfg, num_warps=warps)
-    return cfg
-
-
-def whole_slice_warps() -> int | None:
-    """Experiment, off (KESTREL_GEMV_WARPS=4 or 2): the warps of every whole-slice program (one K step).
-
-    Why: under PDL a kernel's pre-wait weight reads overlap the kernel before only if its programs fit on the SMs
-    beside that kernel's. Built for sm_90 (ptxas -v, the JIT's 16-divisibility hints), the 0.6B's four matmuls at
-    8 warps hold ~30K / 19K / 45K / 47K registers per SM (qkv / o / gate_up / down) of 64K, so gate_up -> down and
-    down -> the next qkv cannot be resident together; at 4 warps: 24K / 19K / 36K / 32K (each thread keeps twice
-    the weights, the per-thread overhead is paid by half the threads)."""
-    warps = os.environ.get("KESTREL_GEMV_WARPS")
-    return int(warps) if warps else None
+    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
 
 
 def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
@@ -344,7 +328,6 @@ def _skinny_matmul_kernel(
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
     # The first weight tile does not depend on the kernel before this one: under PDL it is read while that

@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_start, pdl_wait
+from kestrel.layers.pdl import launch_options, pdl_wait
 
 BLOCK = 4096          # logits per program: 16 KB of bf16 in, 16 KB of fp32 out
 MAX_CHUNKS = 64       # vocabularies up to 262,144 logits
@@ -44,7 +44,6 @@ def _logits_argmax_kernel(
     NUM_CHUNKS: tl.constexpr, BLOCK: tl.constexpr, BLOCK_C: tl.constexpr, MAX_CHUNKS: tl.constexpr,
     USE_PDL: tl.constexpr,
 ):
-    pdl_start(USE_PDL)   # KESTREL_PDL_EARLY_SIGNAL: the next kernel may launch from here
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     pdl_wait(USE_PDL)   # the logits come from the kernel before this one

@@ -16,19 +16,6 @@ Rules for a kernel launched with PDL (all kernels here follow them; `pdl_wait` d
     one kernel waits ahead and no chain of waiting kernels holds the SMs.
 Kernels launched without PDL (cuBLAS, torch ops, memcpys) keep ordinary stream order on both sides. Stream capture
 turns PDL launches into programmatic edges of the CUDA graph. KESTREL_PDL=0 turns it off (A/B measurements).
-
-Experiment, off by default (KESTREL_PDL_EARLY_SIGNAL=1): every kernel signals at its first instruction
-(`pdl_start`) instead of after its wait, so kernel B launches as soon as every program of A has *started*, and B's
-weight reads overlap A's whole wait and compute instead of only A's compute:
-
-    kernel A  |== wait ==|------------- compute -------------|
-    kernel B   |prefetch weights| wait .......................|-- compute --|
-               ^ A signalled at its start
-
-Still correct: griddepcontrol.wait waits for the kernel before to *finish* (and its writes to land) whenever it
-signalled. No deadlock: B launches only once every program of A has started, and A needs nothing from B. The cost
-is SM room: waiting programs hold warps and registers (a skinny matmul's program holds its weight slice), and a
-chain of kernels may be resident and waiting at once, so the programs that have work can find the SMs fuller.
 """
 from __future__ import annotations
 
@@ -53,36 +40,16 @@ def _hopper_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
-# USE_PDL constexpr values: False (no PDL), True (signal after the wait, the default), EARLY_SIGNAL (signal at start).
-EARLY_SIGNAL_VALUE = 2
-EARLY_SIGNAL: tl.constexpr = tl.constexpr(EARLY_SIGNAL_VALUE)
-
-
-def pdl_early_signal() -> bool:
-    """KESTREL_PDL_EARLY_SIGNAL=1 (experiment, default off): kernels signal dependents at their start."""
-    return os.environ.get("KESTREL_PDL_EARLY_SIGNAL", "0") == "1"
-
-
-def launch_options(device: torch.device) -> dict[str, bool | int]:
+def launch_options(device: torch.device) -> dict[str, bool]:
     """Extra kernel-launch keywords (merged into `kernel[grid](..., **launch_options(dev))`) and the USE_PDL
-    constexpr that makes the kernel call pdl_start / pdl_wait."""
-    if not pdl_enabled(device):
-        return {"USE_PDL": False}
-    return {"launch_pdl": True, "USE_PDL": EARLY_SIGNAL_VALUE if pdl_early_signal() else True}
-
-
-@triton.jit
-def pdl_start(USE_PDL: tl.constexpr):
-    """A PDL kernel's first statement: under KESTREL_PDL_EARLY_SIGNAL the next kernel may launch from here on."""
-    if USE_PDL == EARLY_SIGNAL:
-        gdc_launch_dependents()
+    constexpr that makes the kernel call pdl_wait."""
+    on = pdl_enabled(device)
+    return {"launch_pdl": True, "USE_PDL": True} if on else {"USE_PDL": False}
 
 
 @triton.jit
 def pdl_wait(USE_PDL: tl.constexpr):
-    """Wait for the kernel before this one to finish (its writes visible), then let the next kernel launch (unless
-    this kernel signalled at its start already)."""
+    """Wait for the kernel before this one to finish (its writes visible), then let the next kernel launch."""
     if USE_PDL:
         gdc_wait()
-        if USE_PDL != EARLY_SIGNAL:
-            gdc_launch_dependents()
+        gdc_launch_dependents()

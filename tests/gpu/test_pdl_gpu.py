@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import greedy_tokens, switch_keeps_tokens
+from tests.gpu.engine_tokens import greedy_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -15,8 +15,6 @@ def test_pdl_is_on_for_hopper_and_off_by_env(monkeypatch):
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert launch_options(dev) == ({"launch_pdl": True, "USE_PDL": True} if hopper else {"USE_PDL": False})
-    monkeypatch.setenv("KESTREL_PDL_EARLY_SIGNAL", "1")
-    assert launch_options(dev) == ({"launch_pdl": True, "USE_PDL": 2} if hopper else {"USE_PDL": False})
     monkeypatch.setenv("KESTREL_PDL", "0")
     assert launch_options(dev) == {"USE_PDL": False}
 
@@ -51,9 +49,8 @@ def test_captured_skinny_chain_with_pdl_is_bit_identical(monkeypatch, rows):
         return h, r
 
     results = {}
-    for pdl in ("0", "1", "early"):   # early: every kernel signals at its start (KESTREL_PDL_EARLY_SIGNAL)
-        monkeypatch.setenv("KESTREL_PDL", "0" if pdl == "0" else "1")
-        monkeypatch.setenv("KESTREL_PDL_EARLY_SIGNAL", "1" if pdl == "early" else "0")
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("KESTREL_PDL", pdl)
         run_chain()   # compile
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
@@ -64,9 +61,8 @@ def test_captured_skinny_chain_with_pdl_is_bit_identical(monkeypatch, rows):
             outs.append(tuple(t.clone() for t in out))
         torch.cuda.synchronize()
         results[pdl] = outs
-    for mode in ("1", "early"):
-        for a, b in zip(results["0"], results[mode]):
-            assert all(torch.equal(u, v) for u, v in zip(a, b)), mode
+    for a, b in zip(results["0"], results["1"]):
+        assert all(torch.equal(u, v) for u, v in zip(a, b))
 
 
 def _tokens(path, monkeypatch, pdl: str, **kw) -> list[list[int]]:
@@ -96,10 +92,3 @@ def test_reads_before_the_wait_are_bit_identical_under_pdl(checkpoint_factory, m
     fast = greedy_tokens(path, monkeypatch, {"KESTREL_PDL": "1", **{s: "1" for s in switches}}, max_tokens=48, **kw)
     plain = greedy_tokens(path, monkeypatch, {"KESTREL_PDL": "0", **{s: "0" for s in switches}}, max_tokens=48, **kw)
     assert fast == plain
-
-
-@pytest.mark.parametrize("arch", ["qwen3", "llama"])
-def test_engine_tokens_identical_with_early_signal(checkpoint_factory, monkeypatch, arch):
-    """KESTREL_PDL_EARLY_SIGNAL: kernels launch their successors first thing; every wait still orders the data."""
-    monkeypatch.setenv("KESTREL_SKINNY_MATMUL", "all")
-    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, arch, "KESTREL_PDL_EARLY_SIGNAL")
