@@ -72,3 +72,16 @@ def test_pdl_signal_placement_for_sm90():
                                "part_idx_ptr": "*i32", "counter_ptr": "*i32"})
     for ptx in (skinny, norm, decode, silu, prologue, argmax):
         assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+
+
+def test_boundary_bench_kernels_build_for_sm90():
+    """benchmarks/boundary_bench.py: the phase kernel waits on PDL once; the barrier kernel's grid barrier is a
+    release add after a CTA barrier and an acquire spin."""
+    from benchmarks.boundary_bench import _barrier_kernel, _phase_kernel
+    phase = compile_for_sm90(_phase_kernel, dict(TILE=4096, USE_PDL=True), {"buf_ptr": "*fp32"})
+    assert _signal_order(phase) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+    barrier = compile_for_sm90(_barrier_kernel, dict(PHASES=168, TILE=4096),
+                               {"buf_ptr": "*fp32", "counter_ptr": "*i32"})
+    # LLVM turns the spin's idempotent atomic add into an acquire load, issued by one thread
+    assert "ld.global.gpu.acquire" in barrier and "atom.global.gpu.release.add" in barrier
+    assert "bar.sync" in barrier and "ld.global.cg" in barrier   # CTA barrier; the neighbour's value from L2
