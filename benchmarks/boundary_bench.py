@@ -26,6 +26,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks.gemv_bench import replay_time_us
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 PHASES = 168        # the 0.6B's dependent launches per decode step (6 per layer x 28)
@@ -67,22 +68,6 @@ def _barrier_kernel(buf_ptr, w_ptr, counter_ptr, P, PHASES: tl.constexpr, TILE: 
         tl.atomic_add(counter_ptr, 1, sem="release")
 
 
-def _time_graph(graph: torch.cuda.CUDAGraph) -> float:
-    """Best of three batches of REPLAYS replays, us per replay."""
-    graph.replay()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    best = float("inf")
-    for _ in range(3):
-        start.record()
-        for _ in range(REPLAYS):
-            graph.replay()
-        end.record()
-        end.synchronize()
-        best = min(best, start.elapsed_time(end) * 1000 / REPLAYS)
-    return best
-
-
 def measure(tile: int, phases: int = PHASES, warps: int = 4) -> dict:
     """us per phase for the chain and the barrier versions at one weight tile size; both results checked."""
     dev = torch.device("cuda")
@@ -110,9 +95,8 @@ def measure(tile: int, phases: int = PHASES, warps: int = 4) -> dict:
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
             body()
-        result[f"{name}_us_per_phase"] = _time_graph(graph) / phases
-    weight_bytes = programs * tile * 2
-    result["weight_bytes_per_phase"] = weight_bytes
+        result[f"{name}_us_per_phase"] = replay_time_us(graph, REPLAYS) / phases
+    result["weight_bytes_per_phase"] = programs * tile * 2
     return result
 
 
