@@ -3,7 +3,7 @@
 For each model: startup split by phase; single-stream decode (prompt 128, 256 new tokens, 3 prompts one at a
 time) with and without CUDA graphs and per attention backend; TTFT of one 128-token prompt; output throughput
 at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory; the bs1 roofline (weight bytes
-per step / measured copy bandwidth); and HF transformers eager `generate` on the same weights in the same run.
+one step reads / measured copy bandwidth: benchmarks/roofline.py); and HF transformers eager `generate` on the same weights in the same run.
 
     python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
 """
@@ -21,6 +21,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.roofline import decode_weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
 from kestrel.engine.engine import Engine
@@ -93,6 +94,7 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     runner = engine.runner
     results["attention_backend"] = runner.backend.name
     results["weight_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    results["decode_weight_bytes"] = decode_weight_bytes(runner.model)
     graphs = runner.graphs
     results["cuda_graph_memory_gib"] = graphs.memory_bytes / 2**30 if graphs else None
     results["kv_cache_tokens"] = engine.pool.num_blocks * engine.pool.block_size
@@ -243,7 +245,7 @@ def main() -> int:
                 vocab = SHAPES[name]["vocab_size"]
             if args.only != "hf":
                 bench_kestrel(model_dir, vocab, args, res)
-                res["roofline_bs1_tok_s"] = bw / res["weight_bytes"]  # every weight byte read once per step
+                res["roofline_bs1_tok_s"] = bw / res["decode_weight_bytes"]   # the bytes one step reads
             if args.only != "kestrel" and not args.skip_hf:
                 bench_hf(model_dir, vocab, args, res)
         except Exception as exc:

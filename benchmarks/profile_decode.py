@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.roofline import decode_weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
@@ -106,8 +107,8 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
                                 "exposed_us_each": round(exposed_by_name[k] / n_prof / c, 2)}
                                for k, c, t in table],
                    "exposed_us_per_step": sum(exposed_by_name.values()) / n_prof})
-    weight_bytes = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters())
-    result["weight_gb"] = weight_bytes / 1e9
+    result["weight_gb"] = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 1e9
+    result["decode_weight_gb"] = decode_weight_bytes(engine.runner.model) / 1e9
     del engine
     torch.cuda.empty_cache()
     return result

@@ -22,7 +22,8 @@ def model_table(name: str, res: dict) -> list[str]:
     errors = {k: v for k, v in res.items() if k == "error" or k.endswith("_error")}
     if "kestrel" not in res:
         return [f"**{name}**: failed: " + "; ".join(f"{k} `{v}`" for k, v in errors.items()), ""]
-    lines = [f"**{name}** (weights {res['weight_bytes'] / 1e9:.2f} GB, attention {res['attention_backend']}, "
+    read = f", {res['decode_weight_bytes'] / 1e9:.2f} GB read per decode step" if "decode_weight_bytes" in res else ""
+    lines = [f"**{name}** (weights {res['weight_bytes'] / 1e9:.2f} GB{read}, attention {res['attention_backend']}, "
              f"KV cache {res['kv_cache_tokens']:,} tokens)", "",
              "| variant | bs1 tok/s | bs1 ms/token | bs1 decode tok/s | 128 concurrent out tok/s |",
              "|---|---|---|---|---|"]
@@ -39,7 +40,7 @@ def model_table(name: str, res: dict) -> list[str]:
                      f" | — | {fmt(hf['bs128_tok_s'], 0)} |")
     elif "hf_error" in res:
         lines.append(f"| HF transformers eager (same run) | error: `{res['hf_error'][:80]}` | | | |")
-    lines.append(f"| roofline (weights / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} | | | |")
+    lines.append(f"| roofline (weight bytes a step reads / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} | | | |")
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in res.get("startup_phases_s", {}).items())
     sp = res.get("shared_prefix")
     if sp:

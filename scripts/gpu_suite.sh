@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
 #   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
 #   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
-#   boundary: a kernel boundary's cost in a dependent chain vs an in-kernel grid barrier (benchmarks/boundary_bench.py)
+#   boundary: a dependent chain of phases: kernel boundaries vs grid barriers, and weights streamed ahead (benchmarks/boundary_bench.py)
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
 # A file may need longer than GPU_TEST_TIMEOUT: the skinny-matmul file compiles ~100 kernel variants (K is a
@@ -48,7 +48,7 @@ if [[ $STAGES == *" ops "* ]]; then
 fi
 if [[ $STAGES == *" boundary "* ]]; then
   step "a kernel boundary vs an in-kernel grid barrier, per dependent phase (benchmarks/boundary_bench.py)"
-  timeout 120 python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" 2>> "$LOG" | tee -a "$LOG"
+  timeout 240 python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" 2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then

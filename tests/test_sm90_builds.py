@@ -75,13 +75,25 @@ def test_pdl_signal_placement_for_sm90():
 
 
 def test_boundary_bench_kernels_build_for_sm90():
-    """benchmarks/boundary_bench.py: the phase kernel waits on PDL once; the barrier kernel's grid barrier is a
-    release add after a CTA barrier and an acquire spin."""
-    from benchmarks.boundary_bench import _barrier_kernel, _phase_kernel
-    phase = compile_for_sm90(_phase_kernel, dict(TILE=4096, USE_PDL=True), {"buf_ptr": "*fp32"})
-    assert _signal_order(phase) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
-    barrier = compile_for_sm90(_barrier_kernel, dict(PHASES=168, TILE=4096),
-                               {"buf_ptr": "*fp32", "counter_ptr": "*i32"})
-    # LLVM turns the spin's idempotent atomic add into an acquire load, issued by one thread
-    assert "ld.global.gpu.acquire" in barrier and "atom.global.gpu.release.add" in barrier
-    assert "bar.sync" in barrier and "ld.global.cg" in barrier   # CTA barrier; the neighbour's value from L2
+    """benchmarks/boundary_bench.py: the phase kernel issues its weight loads, then waits on PDL once; the barrier
+    kernel's grid barrier is a release add after a CTA barrier and an acquire spin, with one phase's weight loads
+    issued before the spin (DEPTH 1) or two (DEPTH 2); the prefetcher spins on the chain's progress and asks L2."""
+    from benchmarks.boundary_bench import _barrier_kernel, _l2_prefetch_kernel, _phase_kernel
+    for publish in (False, True):
+        phase = compile_for_sm90(_phase_kernel, dict(TILE=4096, PUBLISH=publish, USE_PDL=True),
+                                 {"buf_ptr": "*fp32", "progress_ptr": "*i32"})
+        assert _signal_order(phase) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+        # the weight loads come before the wait: they overlap the kernel before
+        assert phase.index("ld.global") < phase.index("griddepcontrol.wait")
+    for depth in (1, 2):
+        barrier = compile_for_sm90(_barrier_kernel, dict(PHASES=168, TILE=4096, DEPTH=depth),
+                                   {"buf_ptr": "*fp32", "counter_ptr": "*i32"})
+        # LLVM turns the spin's idempotent atomic add into an acquire load, issued by one thread
+        assert "ld.global.gpu.acquire" in barrier and "atom.global.gpu.release.add" in barrier
+        assert "bar.sync" in barrier and "ld.global.cg" in barrier   # CTA barrier; the neighbour's value from L2
+        # DEPTH 2 reads phase 0's weights before the phase loop, so each iteration's loads are a phase ahead
+        weights_before_loop = barrier.index("ld.global.b16") < barrier.index("Loop Header")
+        assert weights_before_loop == (depth == 2)
+    prefetch = compile_for_sm90(_l2_prefetch_kernel, dict(PHASES=168, LEAD=2, TILE=4096, PROGRAMS=32, LINES=512),
+                                {"w_ptr": "*bf16", "progress_ptr": "*i32"})
+    assert "prefetch.global.L2" in prefetch and "ld.volatile.global" in prefetch
