@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 import torch
 import triton
@@ -42,6 +43,7 @@ PHASES = 168        # the 0.6B's dependent launches per decode step (6 per layer
 REPLAYS = 20
 PREFETCHERS = 32    # programs of the L2 prefetch kernel (one per SM they land on, beside the chain's)
 LINE = 64           # bf16 elements per 128-byte L2 line
+SPIN_BUDGET = 20_000   # polls of the chain's progress per prefetch program before it stops waiting (~15 ms)
 
 
 @triton.jit
@@ -77,18 +79,24 @@ def _prefetch_lines_l2(ptrs):
 
 @triton.jit
 def _l2_prefetch_kernel(w_ptr, progress_ptr, P, PHASES: tl.constexpr, LEAD: tl.constexpr, TILE: tl.constexpr,
-                        PROGRAMS: tl.constexpr, LINES: tl.constexpr):
+                        PROGRAMS: tl.constexpr, LINES: tl.constexpr, SPIN_BUDGET: tl.constexpr):
     """Program pid prefetches lines pid, pid + PROGRAMS, ... of each phase's weights into L2, phase p as soon as
-    the chain has published phase p - LEAD. progress_ptr[0]: the chain's phase; [1 + pid]: a sink for the asm."""
+    the chain has published phase p - LEAD. progress_ptr[0]: the chain's phase; [1 + pid]: how many times this
+    program polled it.
+
+    Nothing guarantees that two branches of a CUDA graph run at the same time, so the polls are bounded: once
+    SPIN_BUDGET are spent the program stops waiting (prefetches become early, never a hang), and the poll count
+    it leaves behind says whether that happened."""
     pid = tl.program_id(0)
     lines = (pid + PROGRAMS * tl.arange(0, LINES)).to(tl.int64)
     lines = tl.where(lines < P * TILE // 64, lines, pid)   # spare lanes prefetch a line again: harmless
     sink = tl.zeros([LINES], tl.int32)
+    polls = 0
     for phase in range(1, PHASES):
-        while tl.load(progress_ptr, volatile=True) < phase - LEAD:
-            pass
+        while (tl.load(progress_ptr, volatile=True) < phase - LEAD) & (polls < SPIN_BUDGET):
+            polls += 1
         sink += _prefetch_lines_l2(w_ptr + (phase * P).to(tl.int64) * TILE + lines * 64)
-    tl.store(progress_ptr + 1 + pid, tl.sum(sink, 0))
+    tl.store(progress_ptr + 1 + pid, polls + tl.sum(sink, 0))   # the asm results are 0
 
 
 @triton.jit
@@ -137,7 +145,8 @@ def measure(tile: int, leads: list[int], phases: int = PHASES) -> dict:
         side.wait_stream(torch.cuda.current_stream())
         with torch.cuda.stream(side):
             _l2_prefetch_kernel[(PREFETCHERS,)](weights, progress, programs, PHASES=phases, LEAD=lead, TILE=tile,
-                                                PROGRAMS=PREFETCHERS, LINES=lines, num_warps=4)
+                                                PROGRAMS=PREFETCHERS, LINES=lines, SPIN_BUDGET=SPIN_BUDGET,
+                                                num_warps=4)
         chain(publish=True)
         torch.cuda.current_stream().wait_stream(side)
 
@@ -152,6 +161,7 @@ def measure(tile: int, leads: list[int], phases: int = PHASES) -> dict:
     result = {"tile": tile, "programs": programs, "phases": phases, "warps": warps, "pdl": bool(pdl["USE_PDL"]),
               "weight_bytes_per_phase": programs * tile * 2}
     for name, body in variants.items():
+        print(f"  tile {tile}: {name}", file=sys.stderr, flush=True)   # which one, should a kernel hang
         buf.zero_()
         body()                       # compile, and check one run: every value grew by exactly `phases`
         torch.cuda.synchronize()
@@ -161,6 +171,8 @@ def measure(tile: int, leads: list[int], phases: int = PHASES) -> dict:
         with torch.cuda.graph(graph):
             body()
         result[f"{name}_us_per_phase"] = replay_time_us(graph, REPLAYS) / phases
+        if name.startswith("chain_l2"):   # the last replay's polls: at the budget means the branches ran apart
+            result[f"{name}_max_polls"] = int(progress[1:].max())
     return result
 
 

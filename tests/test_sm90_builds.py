@@ -94,6 +94,7 @@ def test_boundary_bench_kernels_build_for_sm90():
         # DEPTH 2 reads phase 0's weights before the phase loop, so each iteration's loads are a phase ahead
         weights_before_loop = barrier.index("ld.global.b16") < barrier.index("Loop Header")
         assert weights_before_loop == (depth == 2)
-    prefetch = compile_for_sm90(_l2_prefetch_kernel, dict(PHASES=168, LEAD=2, TILE=4096, PROGRAMS=32, LINES=512),
+    prefetch = compile_for_sm90(_l2_prefetch_kernel, dict(PHASES=168, LEAD=2, TILE=4096, PROGRAMS=32, LINES=512,
+                                                                   SPIN_BUDGET=20_000),
                                 {"w_ptr": "*bf16", "progress_ptr": "*i32"})
     assert "prefetch.global.L2" in prefetch and "ld.volatile.global" in prefetch
