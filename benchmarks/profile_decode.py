@@ -38,17 +38,52 @@ def _kernel_events(prof) -> list[tuple[str, float, float]]:
     return sorted(out, key=lambda x: x[1])
 
 
-def exposed_time(events: list[tuple[str, float, float]]) -> dict[str, float]:
-    """Per kernel name, the time its launches push the end of GPU work out: a launch's end past the latest end so
-    far, counted from its own start. Under PDL a kernel's duration includes waiting on the one before it, so
-    durations overlap and over-count; these shares do not, and they sum to the busy part of the span."""
-    exposed: dict[str, float] = defaultdict(float)
+def exposed_per_launch(events: list[tuple[str, float, float]]) -> list[float]:
+    """The time each launch pushes the end of GPU work out: its end past the latest end so far, counted from its
+    own start. Under PDL a kernel's duration includes waiting on the one before it, so durations overlap and
+    over-count; these shares do not, and they sum to the busy part of the span."""
+    out = []
     frontier = float("-inf")
-    for name, start, dur in events:   # sorted by start
+    for _, start, dur in events:   # sorted by start
         end = start + dur
-        exposed[name] += max(0.0, end - max(frontier, start))
+        out.append(max(0.0, end - max(frontier, start)))
         frontier = max(frontier, end)
+    return out
+
+
+def exposed_time(events: list[tuple[str, float, float]]) -> dict[str, float]:
+    """Per kernel name, the exposed time of its launches (exposed_per_launch), summed."""
+    exposed: dict[str, float] = defaultdict(float)
+    for (name, _, _), t in zip(events, exposed_per_launch(events)):
+        exposed[name] += t
     return exposed
+
+
+def slot_table(events: list[tuple[str, float, float]], steps: int, num_layers: int) -> list[dict]:
+    """A kernel launched several times per layer (the skinny matmul: qkv, o_proj, gate_up, down) split by its
+    place in the layer: the i-th launch of a name with `per_layer` launches a layer is slot i % per_layer. Each
+    row: name, slot, us and exposed us each, and the kernel most often right before it."""
+    counts: dict[str, int] = defaultdict(int)
+    for name, _, _ in events:
+        counts[name] += 1
+    per_layer = {n: c // (steps * num_layers) for n, c in counts.items()
+                 if c % (steps * num_layers) == 0 and c // (steps * num_layers) >= 2}
+    seen: dict[str, int] = defaultdict(int)
+    rows: dict[tuple[str, int], dict] = {}
+    for i, ((name, _, dur), exposed) in enumerate(zip(events, exposed_per_launch(events))):
+        if name not in per_layer:
+            continue
+        slot = seen[name] % per_layer[name]
+        seen[name] += 1
+        row = rows.setdefault((name, slot), {"name": name[:120], "slot": slot, "launches": 0, "us": 0.0,
+                                             "exposed_us": 0.0, "after": defaultdict(int)})
+        row["launches"] += 1
+        row["us"] += dur
+        row["exposed_us"] += exposed
+        row["after"][events[i - 1][0][:60] if i else "-"] += 1
+    return [{"name": r["name"], "slot": r["slot"], "us_each": round(r["us"] / r["launches"], 2),
+             "exposed_us_each": round(r["exposed_us"] / r["launches"], 2),
+             "after": max(r["after"], key=r["after"].get)} for r in rows.values()]
 
 
 def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) -> dict:
@@ -106,7 +141,8 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
                                 "us_each": round(t / c, 2),
                                 "exposed_us_each": round(exposed_by_name[k] / n_prof / c, 2)}
                                for k, c, t in table],
-                   "exposed_us_per_step": sum(exposed_by_name.values()) / n_prof})
+                   "exposed_us_per_step": sum(exposed_by_name.values()) / n_prof,
+                   "kernels_by_slot": slot_table(events, n_prof, engine.runner.cfg.num_layers)})
     result["weight_gb"] = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 1e9
     result["decode_weight_gb"] = decode_weight_bytes(engine.runner.model) / 1e9
     del engine
@@ -125,6 +161,12 @@ def print_result(r: dict) -> None:
     for k in r.get("kernels", [])[:25]:
         print(f"| {k['name'][:90]} | {k['launches']:.0f} | {k['us_per_step']:.1f} | {k['us_each']:.2f} "
               f"| {k['exposed_us_each']:.2f} |")
+    if r.get("kernels_by_slot"):
+        print("| kernel, by its place in the layer | slot | us each | exposed us each | right after |\n"
+              "|---|---|---|---|---|")
+        for k in r["kernels_by_slot"]:
+            print(f"| {k['name'][:60]} | {k['slot']} | {k['us_each']:.2f} | {k['exposed_us_each']:.2f} "
+                  f"| {k['after'][:50]} |")
 
 
 def main() -> int:

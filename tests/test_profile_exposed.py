@@ -31,3 +31,17 @@ def test_ab_summary_sets_each_switch_against_its_models_baseline(tmp_path):
     assert round(rows["KESTREL_X_1"]["change_pct"], 6) == -10.0 and round(rows["KESTREL_Y_0"]["change_pct"], 6) == 5.0
     assert rows["KESTREL_X_1"]["decode_exposed_us"] == 6.5 and rows["KESTREL_X_1"]["skinny_exposed_us"] is None
     assert "| qwen3-0.6b | KESTREL_X_1 | 0.720 | 0.800 | -10.0% |  | 6.50 |" in markdown(list(rows.values()))
+
+
+def test_slot_table_splits_a_kernel_by_its_place_in_the_layer():
+    from benchmarks.profile_decode import slot_table
+    # 2 steps x 2 layers; per layer: matmul (slot 0), attn, matmul (slot 1); slot 1 always runs 3 us, slot 0 1 us
+    events, t = [], 0.0
+    for _ in range(2 * 2):
+        for name, dur in (("matmul", 1.0), ("attn", 2.0), ("matmul", 3.0)):
+            events.append((name, t, dur))
+            t += dur
+    rows = {(r["name"], r["slot"]): r for r in slot_table(events, steps=2, num_layers=2)}
+    assert set(rows) == {("matmul", 0), ("matmul", 1)}   # attn runs once a layer: no slots
+    assert rows[("matmul", 0)]["exposed_us_each"] == 1.0 and rows[("matmul", 1)]["exposed_us_each"] == 3.0
+    assert rows[("matmul", 1)]["after"] == "attn"

@@ -111,25 +111,31 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
     mode = os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "1")
-    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
+    programs = int(os.environ.get("KESTREL_GEMV_PROGRAMS", TARGET_PROGRAMS))   # A/B knob: 128 = one per SM
+    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M),
+                        target_programs=programs)
 
 
-def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
+def table_config(m: int, n: int, k: int, whole_slice: bool = False,
+                 target_programs: int = TARGET_PROGRAMS) -> GemvConfig:
     """BLOCK_N as large as keeps >= TARGET_PROGRAMS programs, BLOCK_K for ~TILE_ELEMENTS a step.
 
     Examples (bf16, H200): N=1024 K=3072 M=1 -> BLOCK_N 4 x BLOCK_K 1024 (256 programs, 3 unrolled steps);
     N=4096 K=14336 -> 16 x 512 (256 programs, 28 pipelined steps); N=28672 K=4096 -> 32 x 256 (896 programs).
     whole_slice: one step of BLOCK_K = next_power_of_2(K) (masked tail) where BLOCK_N x that is at most
     WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers.
+    target_programs below TARGET_PROGRAMS (KESTREL_GEMV_PROGRAMS, an A/B knob) gives bigger programs, and their
+    whole slices up to twice WHOLE_SLICE_ELEMENTS (64 KB; a boundary_bench phase streams that at 8 warps).
     """
     use_dot = m > BROADCAST_MAX_M
     # Every program reads all M x rows from L2 per weight tile: M / BLOCK_N x the weight bytes. So the tensor-core
     # path (M up to 16) starts at BLOCK_N 8 (fold 2), the broadcast path (M <= 4) at 4.
     block_n = 8 if use_dot else 4
-    while block_n < 32 and triton.cdiv(n, 2 * block_n) >= TARGET_PROGRAMS:
+    while block_n < 32 and triton.cdiv(n, 2 * block_n) >= target_programs:
         block_n *= 2
     whole = triton.next_power_of_2(k)
-    if whole_slice and block_n * whole <= WHOLE_SLICE_ELEMENTS:
+    whole_max = WHOLE_SLICE_ELEMENTS * (2 if target_programs < TARGET_PROGRAMS else 1)
+    if whole_slice and block_n * whole <= whole_max:
         return GemvConfig(block_n=block_n, block_k=whole, use_dot=use_dot,
                           num_warps=8 if block_n * whole > TILE_ELEMENTS else 4)
     block_k = _even_block_k(k, max(TILE_ELEMENTS // block_n, 128))
