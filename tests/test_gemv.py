@@ -130,17 +130,13 @@ def test_default_config_fills_the_gpu_and_tiles_k_evenly(n, k, m):
     assert not cfg.unroll or k // cfg.block_k <= gemv.MAX_UNROLL
 
 
-@pytest.mark.parametrize("n,k,blocks", [(4096, 1024, (16, 1024)), (6144, 1024, (32, 1024)),
+@pytest.mark.parametrize("n,k,blocks", [(4096, 1024, (16, 1024)), (6144, 1024, (16, 1024)),
                                          (1024, 2048, (4, 2048)), (1024, 3072, (4, 4096))])
 def test_whole_slice_config_reads_each_programs_weights_in_one_step(n, k, blocks):
     """The whole-slice table (the Qwen3-0.6B shapes at one row): one K step, so every weight byte is read before
-    the PDL wait; the default table's programs, or half as many where that still leaves >= 192 (gate_up: 192 of
-    64 KB); 8 warps once the tile passes 8192 elements. KESTREL_GEMV_WIDE_MIN_PROGRAMS=256 gives the old table."""
+    the PDL wait; the same programs as the default table; 8 warps once the tile passes 8192 elements."""
     cfg = gemv.table_config(1, n, k, whole_slice=True)
-    default_n = gemv.table_config(1, n, k).block_n
-    assert (cfg.block_n, cfg.block_k) == blocks and cfg.block_n in (default_n, 2 * default_n)
-    assert -(-n // cfg.block_n) >= gemv.WIDE_SLICE_MIN_PROGRAMS
-    assert gemv.table_config(1, n, k, whole_slice=True, wide_min_programs=256).block_n == default_n
+    assert (cfg.block_n, cfg.block_k) == blocks and cfg.block_n == gemv.table_config(1, n, k).block_n
     assert cfg.num_warps == (8 if cfg.block_n * cfg.block_k > gemv.TILE_ELEMENTS else 4)
     assert gemv.table_config(1, 4096, 4096, whole_slice=True) == gemv.table_config(1, 4096, 4096)   # 8B: too big
 

@@ -60,10 +60,6 @@ TARGET_PROGRAMS = 256       # ~2 per SM on a 132-SM H100/H200, so every SM strea
 TILE_ELEMENTS = 8192        # weight elements per K step per program (16 KB in bf16): enough loads in flight
 MAX_UNROLL = 16             # K steps fully unrolled (loads can be hoisted); longer loops are software-pipelined
 WHOLE_SLICE_ELEMENTS = 16384   # a program's K slice up to 32 KB (bf16) read as one tile (8 warps above TILE_ELEMENTS)
-# Fewer, wider whole-slice programs where the grid stays >= ~1.5 per SM: the 0.6B's gate_up (after o_proj, 12.6 MB)
-# went 5.48 -> 4.66 us exposed per layer at 192 programs of 64 KB instead of 384 of 32 KB (H200, session 9), while
-# qkv, o_proj and down lost at one program per SM; KESTREL_GEMV_WIDE_MIN_PROGRAMS=256 keeps every grid >= 256.
-WIDE_SLICE_MIN_PROGRAMS = 192
 
 PROLOGUE_NONE: tl.constexpr = tl.constexpr(0)
 PROLOGUE_RMS: tl.constexpr = tl.constexpr(1)
@@ -115,21 +111,16 @@ def default_config(m: int, n: int, k: int) -> GemvConfig:
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
     mode = os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "1")
-    wide_min = int(os.environ.get("KESTREL_GEMV_WIDE_MIN_PROGRAMS", WIDE_SLICE_MIN_PROGRAMS))   # A/B knob
-    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M),
-                        wide_min_programs=wide_min)
+    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
 
 
-def table_config(m: int, n: int, k: int, whole_slice: bool = False,
-                 wide_min_programs: int = WIDE_SLICE_MIN_PROGRAMS) -> GemvConfig:
+def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
     """BLOCK_N as large as keeps >= TARGET_PROGRAMS programs, BLOCK_K for ~TILE_ELEMENTS a step.
 
     Examples (bf16, H200): N=1024 K=3072 M=1 -> BLOCK_N 4 x BLOCK_K 1024 (256 programs, 3 unrolled steps);
     N=4096 K=14336 -> 16 x 512 (256 programs, 28 pipelined steps); N=28672 K=4096 -> 32 x 256 (896 programs).
     whole_slice: one step of BLOCK_K = next_power_of_2(K) (masked tail) where BLOCK_N x that is at most
-    WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers; and where the grid
-    then has at least 2 x wide_min_programs programs, BLOCK_N doubles once more if the slice stays within
-    2 x WHOLE_SLICE_ELEMENTS (the 0.6B's gate_up: 384 programs of 32 KB -> 192 of 64 KB).
+    WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers.
     """
     use_dot = m > BROADCAST_MAX_M
     # Every program reads all M x rows from L2 per weight tile: M / BLOCK_N x the weight bytes. So the tensor-core
@@ -139,8 +130,6 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False,
         block_n *= 2
     whole = triton.next_power_of_2(k)
     if whole_slice and block_n * whole <= WHOLE_SLICE_ELEMENTS:
-        if triton.cdiv(n, 2 * block_n) >= wide_min_programs and 2 * block_n * whole <= 2 * WHOLE_SLICE_ELEMENTS:
-            block_n *= 2
         return GemvConfig(block_n=block_n, block_k=whole, use_dot=use_dot,
                           num_warps=8 if block_n * whole > TILE_ELEMENTS else 4)
     block_k = _even_block_k(k, max(TILE_ELEMENTS // block_n, 128))
