@@ -20,6 +20,15 @@ several ways:
               phase p, so two phases of weights are in flight: what a persistent kernel can do and a chain of
               launches cannot.
 
+A second table (--matvec) asks what a skinny matmul's own work after the wait costs: MV_PROGRAMS programs each hold
+MV_ROWS rows of a [MV_K, MV_K] bf16 weight (8 KB a program, 2 MB a phase, read before the wait), and after it
+    plain     read one value the previous phase wrote, store: the phase's floor at these weights
+    mv        read the whole x vector (2 KB) the previous phase wrote, one row-sum of w * x per row, store the rows:
+              the 0.6B's o_proj / down epilogue; every program reads the same 16 lines of x
+    mv_rep    the same, but each phase stores its output MV_REPLICAS times and program pid reads copy pid % REPS:
+              whether 256 programs reading the same lines is what costs
+(w is 1 / MV_K everywhere and x starts at 1, so every output is exactly 1 and checked.)
+
 Per phase every program reads TILE bf16 weights (0: none; the 0.6B's matmuls read 16-48K a program) and one value
 written by another program in the phase before, so each phase truly depends on the whole previous one. Every
 result is checked: after PHASES phases every value has grown by exactly PHASES.
@@ -43,6 +52,8 @@ PHASES = 168        # the 0.6B's dependent launches per decode step (6 per layer
 REPLAYS = 20
 PREFETCHERS = 32    # programs of the L2 prefetch kernel (one per SM they land on, beside the chain's)
 LINE = 64           # bf16 elements per 128-byte L2 line
+MV_PROGRAMS, MV_ROWS, MV_K = 256, 4, 1024   # the 0.6B's o_proj grid, square: each phase's N is the next one's K
+MV_REPLICAS = 8
 SPIN_BUDGET = 20_000   # polls of the chain's progress per prefetch program before it stops waiting (~15 ms)
 
 
@@ -122,6 +133,54 @@ def _barrier_kernel(buf_ptr, w_ptr, counter_ptr, P, PHASES: tl.constexpr, TILE: 
         tl.atomic_add(counter_ptr, 1, sem="release")
 
 
+@triton.jit
+def _matvec_phase_kernel(x_ptr, w_ptr, phase, ROWS: tl.constexpr, K: tl.constexpr, MODE: tl.constexpr,
+                         REPS: tl.constexpr, USE_PDL: tl.constexpr):
+    """Phase `phase` of a chain of [K, K] matvecs (x_ptr: [2, REPS, K] bf16, x[cur] -> x[next]); program pid owns
+    rows pid * ROWS ... MODE 0: plain (one value read, no matvec); 1: the matvec; REPS copies of the output."""
+    pid = tl.program_id(0)
+    rows = pid * ROWS + tl.arange(0, ROWS)
+    ks = tl.arange(0, K)
+    w = tl.load(w_ptr + phase * (K * K) + rows[:, None] * K + ks[None, :])   # before the wait (< 2**31)
+    pdl_wait(USE_PDL)
+    cur = x_ptr + (phase % 2) * REPS * K + (pid % REPS) * K
+    nxt = x_ptr + ((phase + 1) % 2) * REPS * K
+    if MODE == 0:
+        v = tl.load(cur + (rows + ROWS) % K).to(tl.float32)                             # the neighbour's rows
+        out = v + 0.0 * tl.sum(w.to(tl.float32), 1)
+    else:
+        x = tl.load(cur + ks).to(tl.float32)
+        out = tl.sum(w.to(tl.float32) * x[None, :], 1)
+    for r in tl.static_range(REPS):
+        tl.store(nxt + r * K + rows, out.to(tl.bfloat16))
+
+
+def measure_matvec(phases: int = PHASES) -> dict:
+    """us per phase of the matvec-epilogue variants (module docstring); every result checked."""
+    dev = torch.device("cuda")
+    pdl = launch_options(dev)
+    weights = torch.full((phases, MV_K, MV_K), 1.0 / MV_K, device=dev, dtype=torch.bfloat16)
+    result = {"programs": MV_PROGRAMS, "rows": MV_ROWS, "k": MV_K, "phases": phases,
+              "weight_bytes_per_phase": MV_K * MV_K * 2}
+    for name, mode, reps in (("plain", 0, 1), ("mv", 1, 1), ("mv_rep", 1, MV_REPLICAS)):
+        print(f"  matvec: {name}", file=sys.stderr, flush=True)
+        x = torch.ones(2, reps, MV_K, device=dev, dtype=torch.bfloat16)
+
+        def body() -> None:
+            for phase in range(phases):
+                _matvec_phase_kernel[(MV_PROGRAMS,)](x, weights, phase, ROWS=MV_ROWS, K=MV_K, MODE=mode, REPS=reps,
+                                                     num_warps=4, **pdl)
+        x[1].zero_()   # phase 0 reads x[0] and writes x[1]: every copy of both must come out 1
+        body()
+        torch.cuda.synchronize()
+        assert torch.equal(x, torch.ones_like(x)), f"{name}: wrong result"
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            body()
+        result[f"{name}_us_per_phase"] = replay_time_us(graph, REPLAYS) / phases
+    return result
+
+
 def measure(tile: int, leads: list[int], phases: int = PHASES) -> dict:
     """us per phase of every variant at one weight tile size; every result checked."""
     dev = torch.device("cuda")
@@ -180,6 +239,7 @@ def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tiles", default="0,4096,16384,32768", help="bf16 weights read per program per phase")
     ap.add_argument("--leads", default="2,4", help="phases the L2 prefetcher runs ahead of the chain")
+    ap.add_argument("--matvec", action="store_true", help="also the matvec-epilogue table")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     leads = [int(x) for x in args.leads.split(",")]
@@ -192,6 +252,12 @@ def main() -> int:
         rows.append(r)
         cells = [f"{r[f'{n}_us_per_phase']:.2f}" if f"{n}_us_per_phase" in r else "—" for n in names]
         print(f"| {r['weight_bytes_per_phase'] / 1e6:.2f} MB | " + " | ".join(cells) + " |", flush=True)
+    if args.matvec:
+        mv = measure_matvec()
+        rows.append(mv)
+        print("\n| 2 MB a phase, 256 programs x 4 rows | plain us | mv us | mv_rep us |\n|---|---|---|---|")
+        print(f"| per phase | {mv['plain_us_per_phase']:.2f} | {mv['mv_us_per_phase']:.2f} | "
+              f"{mv['mv_rep_us_per_phase']:.2f} |", flush=True)
     if args.out:
         with open(args.out, "w") as f:
             json.dump(rows, f, indent=1)

@@ -48,7 +48,7 @@ if [[ $STAGES == *" ops "* ]]; then
 fi
 if [[ $STAGES == *" boundary "* ]]; then
   step "a kernel boundary vs an in-kernel grid barrier, per dependent phase (benchmarks/boundary_bench.py)"
-  timeout ${BOUNDARY_TIMEOUT:-240} python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" 2>> "$LOG" | tee -a "$LOG"
+  timeout ${BOUNDARY_TIMEOUT:-240} python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" ${BOUNDARY_ARGS:-} 2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then

@@ -98,3 +98,14 @@ def test_boundary_bench_kernels_build_for_sm90():
                                                                    SPIN_BUDGET=20_000),
                                 {"w_ptr": "*bf16", "progress_ptr": "*i32"})
     assert "prefetch.global.L2" in prefetch and "ld.volatile.global" in prefetch
+
+
+def test_boundary_bench_matvec_kernel_builds_for_sm90():
+    """The matvec-epilogue phase: weights read before the PDL wait, x after it, each output stored REPS times."""
+    from benchmarks.boundary_bench import _matvec_phase_kernel
+    for mode, reps in ((0, 1), (1, 1), (1, 8)):
+        ptx = compile_for_sm90(_matvec_phase_kernel, dict(ROWS=4, K=1024, MODE=mode, REPS=reps, USE_PDL=True),
+                               {"x_ptr": "*bf16", "w_ptr": "*bf16"})
+        assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
+        assert ptx.count("st.global") >= reps
