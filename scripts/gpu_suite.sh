@@ -69,7 +69,9 @@ if [[ $STAGES == *" profile "* ]]; then
   #   2-warp decode programs: +8%. The old decode defaults (64-key tiles, no prefetch): +6.8% (0.6B), +0.4% (8B).
   #   The 8B's o_proj alone on Triton (KESTREL_SKINNY_MAX_MB=40): +1.2%.
   #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
-  # KESTREL_PDL=0 (+26%, three times) left earlier. The default list re-measures the reference points: the fused
+  #   Session 9: one 64 KB skinny program per SM (KESTREL_GEMV_PROGRAMS=128): +3.9%; the 0.6B's gate_up alone on
+  #   192 wider programs: +0.5%; the 8B's Triton matmuls with PDL off: +7.9% (PDL is not why they lose). Removed.
+  # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list re-measures the reference points: the fused
   # argmax off on both models, 16-key decode tiles (-0.4%, within noise) and the prologue's rotary loads before
   # its wait (-0.5% in session 6).
   for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16 \
