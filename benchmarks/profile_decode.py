@@ -7,6 +7,11 @@ For each model shape: one 128-token prompt is prefilled, then
     between kernels (replay span minus kernel time).
 Writes JSON (--out) and prints the tables.
 
+KESTREL_PROFILE_ABLATE=decode,prologue (either or both) takes kernels out of the captured step to see what the
+rest costs without them (the tokens are garbage; only the timing means anything): `decode` makes decode attention
+return its q unchanged (o_proj reads q), `prologue` makes the fused q/k norm + rotary + K/V write return qkv's q
+columns untouched (with both, o_proj's input is a strided view, so one copy kernel appears).
+
     python -m benchmarks.profile_decode --models qwen3-0.6b,llama-3.1-8b --workdir /tmp/kestrel-bench
 """
 from __future__ import annotations
@@ -86,6 +91,27 @@ def slot_table(events: list[tuple[str, float, float]], steps: int, num_layers: i
              "after": max(r["after"], key=r["after"].get)} for r in rows.values()]
 
 
+def ablations(spec: str) -> list[tuple[object, str, object]]:
+    """(module, attribute, stand-in) for each name in a comma-separated KESTREL_PROFILE_ABLATE spec."""
+    from kestrel.attention import triton_kernels
+    from kestrel.layers import attention_prologue
+
+    def decode_returns_q(q, *args, **kwargs):
+        return q
+
+    def prologue_returns_q(qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, slots,
+                           num_heads, num_kv_heads, head_dim):
+        return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
+
+    table = {"decode": (triton_kernels, "decode_attention", decode_returns_q),
+             "prologue": (attention_prologue, "qk_norm_rope_store", prologue_returns_q)}
+    names = [n for n in spec.split(",") if n]
+    unknown = set(names) - set(table)
+    if unknown:
+        raise SystemExit(f"KESTREL_PROFILE_ABLATE: unknown {sorted(unknown)}; known: {sorted(table)}")
+    return [table[n] for n in names]
+
+
 def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) -> dict:
     model_dir = workdir / name
     if not (model_dir / "config.json").exists():
@@ -106,7 +132,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
     result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
               "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0",
               "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
-              "overlap_schedule": True}
+              "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", "")}
     if graphs is None:
         return result
     graph = graphs.graphs[graphs.buckets[0]]   # bs1 replays the smallest bucket (KESTREL_GRAPH_MIN_BS)
@@ -151,8 +177,9 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
 
 
 def print_result(r: dict) -> None:
+    ablated = f"; ablated: {r['ablate']}" if r.get("ablate") else ""
     print(f"\n## {r['model']} bs1 decode (fused attention prologue: {r['fused_attn_prologue']}, skinny matmuls: "
-          f"{r['skinny_matmul']})")
+          f"{r['skinny_matmul']}{ablated})")
     print(f"engine.step {r['engine_step_ms']:.3f} ms ({r['tok_s']:.0f} tok/s); graph replay "
           f"{r.get('graph_replay_ms', float('nan')):.3f} ms; kernels/step {r.get('kernels_per_step', 0):.0f}, "
           f"kernel time {r.get('kernel_us_per_step', 0):.0f} us, idle gaps {r.get('gap_us_per_step', 0):.0f} us")
@@ -177,6 +204,8 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None)
     args = ap.parse_args()
+    for module, attr, stand_in in ablations(os.environ.get("KESTREL_PROFILE_ABLATE", "")):
+        setattr(module, attr, stand_in)   # before any engine is built, so its graphs capture the stand-ins
     results = []
     for name in args.models.split(","):
         r = profile_model(name, args.workdir, args.steps, args.trace_dir)

@@ -45,3 +45,21 @@ def test_slot_table_splits_a_kernel_by_its_place_in_the_layer():
     assert set(rows) == {("matmul", 0), ("matmul", 1)}   # attn runs once a layer: no slots
     assert rows[("matmul", 0)]["exposed_us_each"] == 1.0 and rows[("matmul", 1)]["exposed_us_each"] == 3.0
     assert rows[("matmul", 1)]["after"] == "attn"
+
+
+def test_profile_ablations_stand_in_for_decode_attention_and_the_prologue():
+    import pytest
+    import torch
+
+    from benchmarks.profile_decode import ablations
+    (decode_mod, decode_attr, decode), (prologue_mod, prologue_attr, prologue) = ablations("decode,prologue")
+    assert (decode_attr, prologue_attr) == ("decode_attention", "qk_norm_rope_store")
+    assert callable(getattr(decode_mod, decode_attr)) and callable(getattr(prologue_mod, prologue_attr))
+    q = torch.randn(3, 4, 8)
+    assert decode(q, None, None, None, None, 0.1, partials=None) is q
+    qkv = torch.randn(3, (4 + 2 * 2) * 8)
+    got = prologue(qkv, None, None, 0.0, None, None, None, None, None, 4, 2, 8)
+    assert got.shape == (3, 4, 8) and torch.equal(got.reshape(3, -1), qkv[:, :32])
+    assert ablations("") == []
+    with pytest.raises(SystemExit, match="unknown"):
+        ablations("decode,norm")
