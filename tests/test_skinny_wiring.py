@@ -59,3 +59,45 @@ def test_skinny_weight_cap_follows_the_env(monkeypatch, cap_mb, triton_for_8b_qk
     assert policy(1, 6144, 4096) is triton_for_8b_qkv
     assert policy(1, 28672, 4096) is False
     assert policy(1, 4096, 1024) is True   # Qwen3-0.6B qkv (8 MB): Triton either way
+
+
+def test_column_linear_is_the_same_matmul_at_one_row_and_linear_otherwise():
+    from kestrel.layers.skinny import column_linear
+    torch.manual_seed(0)
+    for bias in (False, True):
+        linear = torch.nn.Linear(64, 48, bias=bias)
+        x = torch.randn(1, 64)
+        got = column_linear(x, linear)
+        assert got.shape == (1, 48) and got.is_contiguous()
+        torch.testing.assert_close(got, linear(x), rtol=1e-6, atol=1e-6)
+        rows = torch.randn(3, 64)
+        assert torch.equal(column_linear(rows, linear), linear(rows))
+
+
+def test_one_row_decode_through_column_cublas_keeps_the_greedy_tokens(checkpoint_factory, monkeypatch):
+    """KESTREL_CUBLAS_COLUMN=1 (an A/B knob) sends every one-row matmul that Triton does not take through
+    column_linear; a lone prompt's decode steps are one row, and its greedy tokens stay those of the plain path."""
+    from kestrel.engine.fast_path import skinny_matmuls
+    from kestrel.layers.skinny import column_linear, plain_linear
+    monkeypatch.setenv("KESTREL_CUBLAS_COLUMN", "1")
+    column = skinny_matmuls("auto")
+    assert column.cublas is column_linear
+    monkeypatch.delenv("KESTREL_CUBLAS_COLUMN")
+    assert skinny_matmuls("auto").cublas is plain_linear
+    path = str(checkpoint_factory("llama"))
+    params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    expected = LLM(model=path, device="cpu").generate(["def f(x):"], params)[0].outputs[0].token_ids
+    calls = []
+
+    def counted(x, linear):
+        calls.append(x.shape[0])
+        return column_linear(x, linear)
+
+    skinny = SkinnyMatmuls(max_rows=4, gemv=F.linear, add_rms_norm_gemv=_add_rms_norm_linear,
+                           silu_mul_gemv=_silu_mul_linear, use_triton=lambda m, n, k: False, cublas=counted)
+    llm = LLM(model=path, device="cpu")
+    for module in llm.engine.runner.model.modules():
+        if isinstance(module, DecoderLayer):
+            module.skinny = skinny
+    assert llm.generate(["def f(x):"], params)[0].outputs[0].token_ids == expected
+    assert calls and set(calls) == {1}   # every decode step's matmuls took the column path
