@@ -3,7 +3,8 @@
 For each model: startup split by phase; single-stream decode (prompt 128, 256 new tokens, 3 prompts one at a
 time) with and without CUDA graphs and per attention backend; TTFT of one 128-token prompt; output throughput
 at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory; the bs1 roofline (weight bytes
-one step reads / measured copy bandwidth: benchmarks/roofline.py); and HF transformers eager `generate` on the same weights in the same run.
+one step reads / measured copy bandwidth: benchmarks/roofline.py); and HF transformers eager `generate` on the
+same weights in the same run.
 
     python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
 """

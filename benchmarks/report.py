@@ -40,7 +40,8 @@ def model_table(name: str, res: dict) -> list[str]:
                      f" | — | {fmt(hf['bs128_tok_s'], 0)} |")
     elif "hf_error" in res:
         lines.append(f"| HF transformers eager (same run) | error: `{res['hf_error'][:80]}` | | | |")
-    lines.append(f"| roofline (weight bytes a step reads / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} | | | |")
+    lines.append(f"| roofline (weight bytes a step reads / copy bandwidth) | {fmt(res.get('roofline_bs1_tok_s'))} "
+                 "| | | |")
     phases = ", ".join(f"{k} {v:.1f} s" for k, v in res.get("startup_phases_s", {}).items())
     sp = res.get("shared_prefix")
     if sp:

@@ -29,8 +29,8 @@ def plain_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
 
 def column_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
     """One row as (w @ x.T).T: cuBLAS sees a single output column [N, 1] instead of a single row [1, N], and picks
-    its kernels for that shape (on the H200 it gives the 8B's qkv and o_proj split-K kernels at ~72% of copy
-    bandwidth as a row). The [1, N] result is a view of the column, contiguous as a one-row tensor."""
+    its kernels for that shape (as a row, the 8B's qkv and o_proj get split-K kernels at ~72% of copy bandwidth
+    on the H200). The [1, N] result is a view of the column, contiguous as a one-row tensor."""
     if x.shape[0] != 1:
         return linear(x)
     out = torch.mm(linear.weight, x.t()).t()
