@@ -29,7 +29,7 @@ MV_ROWS rows of a [MV_K, MV_K] bf16 weight (8 KB a program, 2 MB a phase, read b
               whether 256 programs reading the same lines is what costs
 (w is 1 / MV_K everywhere and x starts at 1, so every output is exactly 1 and checked.)
 
-Per phase every program reads TILE bf16 weights (0: none; the 0.6B's matmuls read 16-48K a program) and one value
+Per phase every program reads TILE bf16 weights (0: none; the 0.6B's matmuls read 8-16K a program) and one value
 written by another program in the phase before, so each phase truly depends on the whole previous one. Every
 result is checked: after PHASES phases every value has grown by exactly PHASES.
 
