@@ -7,10 +7,12 @@ For each model shape: one 128-token prompt is prefilled, then
     between kernels (replay span minus kernel time).
 Writes JSON (--out) and prints the tables.
 
-KESTREL_PROFILE_ABLATE=decode,prologue (either or both) takes kernels out of the captured step to see what the
-rest costs without them (the tokens are garbage; only the timing means anything): `decode` makes decode attention
+KESTREL_PROFILE_ABLATE=decode,prologue,norm,silu (any of them) takes work out of the captured step to see what the
+rest costs without it (the tokens are garbage; only the timing means anything): `decode` makes decode attention
 return its q unchanged (o_proj reads q), `prologue` makes the fused q/k norm + rotary + K/V write return qkv's q
-columns untouched (with both, o_proj's input is a strided view, so one copy kernel appears).
+columns untouched (with both, o_proj's input is a strided view, so one copy kernel appears); `norm` and `silu`
+take the add-RMSNorm and the SiLU-mul out of the skinny matmuls that fold them in (qkv and gate_up read the
+hidden state as it is; down reads the gate half), so those matmuls keep their weights and grids.
 
     python -m benchmarks.profile_decode --models qwen3-0.6b,llama-3.1-8b --workdir /tmp/kestrel-bench
 """
@@ -94,7 +96,9 @@ def slot_table(events: list[tuple[str, float, float]], steps: int, num_layers: i
 def ablations(spec: str) -> list[tuple[object, str, object]]:
     """(module, attribute, stand-in) for each name in a comma-separated KESTREL_PROFILE_ABLATE spec."""
     from kestrel.attention import triton_kernels
-    from kestrel.layers import attention_prologue
+    from kestrel.layers import attention_prologue, gemv
+
+    plain_gemv = gemv.gemv
 
     def decode_returns_q(q, *args, **kwargs):
         return q
@@ -103,8 +107,16 @@ def ablations(spec: str) -> list[tuple[object, str, object]]:
                            num_heads, num_kv_heads, head_dim):
         return qkv[:, :num_heads * head_dim].view(-1, num_heads, head_dim)
 
+    def gemv_without_norm(x, residual, norm_weight, eps, w, bias=None, config=None):
+        return plain_gemv(x, w, bias, config), (x if residual is None else residual)
+
+    def gemv_without_silu(gate_up, w, bias=None, config=None):
+        return plain_gemv(gate_up[:, :gate_up.shape[1] // 2], w, bias, config)
+
     table = {"decode": (triton_kernels, "decode_attention", decode_returns_q),
-             "prologue": (attention_prologue, "qk_norm_rope_store", prologue_returns_q)}
+             "prologue": (attention_prologue, "qk_norm_rope_store", prologue_returns_q),
+             "norm": (gemv, "add_rms_norm_gemv", gemv_without_norm),
+             "silu": (gemv, "silu_mul_gemv", gemv_without_silu)}
     names = [n for n in spec.split(",") if n]
     unknown = set(names) - set(table)
     if unknown:

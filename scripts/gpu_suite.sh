@@ -72,8 +72,8 @@ if [[ $STAGES == *" profile "* ]]; then
   #   Session 9: one 64 KB skinny program per SM (KESTREL_GEMV_PROGRAMS=128): +3.9%; the 0.6B's gate_up alone on
   #   192 wider programs: +0.5%; the 8B's Triton matmuls with PDL off: +7.9% (PDL is not why they lose). Removed.
   # Prepared in session 9, unmeasured: llama-3.1-8b@KESTREL_CUBLAS_COLUMN=1, llama-3.1-8b@TORCH_BLAS_PREFER_CUBLASLT=1.
-  # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue time the step with
-  # those kernels taken out (garbage tokens), to see what the matmuls cost without them in between.
+  # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu time
+  # the step with that work taken out (garbage tokens), to see what the matmuls cost without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list re-measures the reference points: the fused
   # argmax off on both models, 16-key decode tiles (-0.4%, within noise) and the prologue's rotary loads before
   # its wait (-0.5% in session 6).

@@ -62,4 +62,24 @@ def test_profile_ablations_stand_in_for_decode_attention_and_the_prologue():
     assert got.shape == (3, 4, 8) and torch.equal(got.reshape(3, -1), qkv[:, :32])
     assert ablations("") == []
     with pytest.raises(SystemExit, match="unknown"):
-        ablations("decode,norm")
+        ablations("decode,attention")
+
+
+def test_profile_ablations_take_the_folded_norm_and_silu_out_of_the_skinny_matmuls(monkeypatch):
+    """With the ablation the matmul keeps its weight and shape: qkv/gate_up read the hidden state as it is, down
+    reads the gate half of gate_up, both through the plain skinny gemv (its torch reference stands in for the
+    kernel here; tests/test_gemv.py holds the kernel to it)."""
+    import torch
+
+    from benchmarks.profile_decode import ablations
+    from kestrel.layers import gemv
+    monkeypatch.setattr(gemv, "gemv", lambda x, w, bias=None, config=None: gemv.gemv_ref(x, w, bias))
+    (_, norm_attr, no_norm), (_, silu_attr, no_silu) = ablations("norm,silu")
+    assert (norm_attr, silu_attr) == ("add_rms_norm_gemv", "silu_mul_gemv")
+    torch.manual_seed(0)
+    x, residual, w = torch.randn(1, 32), torch.randn(1, 32), torch.randn(16, 32)
+    out, res = no_norm(x, residual, torch.ones(32), 1e-6, w)
+    torch.testing.assert_close(out, x @ w.T, rtol=1e-4, atol=1e-4)
+    assert res is residual and no_norm(x, None, torch.ones(32), 1e-6, w)[1] is x
+    gate_up, w_down = torch.randn(1, 64), torch.randn(16, 32)
+    torch.testing.assert_close(no_silu(gate_up, w_down), gate_up[:, :32] @ w_down.T, rtol=1e-4, atol=1e-4)
