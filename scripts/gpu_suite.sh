@@ -71,7 +71,8 @@ if [[ $STAGES == *" profile "* ]]; then
   #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
   #   Session 9: one 64 KB skinny program per SM (KESTREL_GEMV_PROGRAMS=128): +3.9%; the 0.6B's gate_up alone on
   #   192 wider programs: +0.5%; the 8B's Triton matmuls with PDL off: +7.9% (PDL is not why they lose). Removed.
-  # Prepared in session 9, unmeasured: llama-3.1-8b@KESTREL_CUBLAS_COLUMN=1, llama-3.1-8b@TORCH_BLAS_PREFER_CUBLASLT=1.
+  # Prepared in session 9, unmeasured: KESTREL_FUSED_DECODE_PROLOGUE=1 (rebuilt: q and the new k/v in registers),
+  # llama-3.1-8b@KESTREL_CUBLAS_COLUMN=1, llama-3.1-8b@TORCH_BLAS_PREFER_CUBLASLT=1.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu time
   # the step with that work taken out (garbage tokens), to see what the matmuls cost without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list re-measures the reference points: the fused

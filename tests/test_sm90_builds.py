@@ -109,3 +109,20 @@ def test_boundary_bench_matvec_kernel_builds_for_sm90():
         assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
         assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
         assert ptx.count("st.global") >= reps
+
+
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_fused_decode_kernel_builds_for_sm90(prefetch):
+    """attention/fused_decode.py (KESTREL_FUSED_DECODE_PROLOGUE=1, the A/B): q and the newest k/v made in registers
+    after the wait, the old tokens' K/V read before it with the default prefetch; one wait, then the signal."""
+    from kestrel.attention.fused_decode import _decode_from_qkv_kernel
+    constexprs = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, HAS_Q_NORM=True, HAS_K_NORM=True,
+                      GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16, DOT_FP32=False,
+                      DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32, USE_PDL=True, PREFETCH=prefetch)
+    ptx = compile_for_sm90(_decode_from_qkv_kernel, constexprs,
+                           dict(DECODE_TYPES, positions_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64",
+                                eps="fp32"))
+    assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+    before_wait = ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("ld.global.b16" in before_wait) == prefetch   # the old tokens' bf16 K/V (qkv is read after the wait)
+    assert "atom" in ptx

@@ -3,31 +3,33 @@
 On the CUDA fast path a decode step's attention is otherwise two Triton launches per layer:
 qk_norm_rope_store (layers/attention_prologue.py: q/k RMSNorm, rotary, K/V cache write) and decode_attention
 (triton_kernels.py: split-K flash-decoding). decode_attention_from_qkv does both in one launch with decode's grid
-(sequence, kv head, split), reading the QKV projection's output qkv [S, (Hq + 2 Hkv) * D] in place:
+(sequence, kv head, split), reading the QKV projection's output qkv [S, (Hq + 2 Hkv) * D] in place, so a layer's
+chain of dependent launches loses one link (~1.6 us exposed on the Qwen3-0.6B step, session 8):
 
-  q: every program with a non-empty slice normalises and rotates the GROUP query heads of its kv head itself
-     (_norm_rotate_head, the prologue's own helper, one head at a time), redundantly across splits (a few hundred
-     bytes per head). It rounds them to the model dtype, stores them in its *own* rows of the split-K scratch,
-     partial_out[seq, heads of kv_head, split, :] (fp32 holds every 16-bit value exactly; no other program reads
-     or writes those rows before this program's partial lands there), and after a CTA barrier reloads them as the
-     [BLOCK_H, BLOCK_D] tile the shared decode body wants. So q is bit-identical to the prologue's q and the
-     attention is the same code (_decode_split) on the same values as the two-launch path.
-  k, v: the program whose slice holds position kv_len - 1 (the last used split; split 0 for kv_len == 0, so a row
-     the prologue would write is written here too) normalises and rotates the new token's k, writes it and v to the
-     cache at slot_mapping[seq] (slot -1: nothing), and its CTA barrier comes before its tile loop reads the slot
-     back. No other program reads position kv_len - 1, so no ordering between programs is needed.
+  before the PDL wait (as decode_attention): kv_len, the split's range, the rotary cos/sin at the token's
+     position, and (KESTREL_DECODE_PREFETCH, on by default) the slice's first K/V tile of earlier tokens;
+  after it, everything stays in registers:
+  q: every program with a non-empty slice normalises and rotates the GROUP query heads of its kv head
+     (_norm_rotate_head, the prologue's own helper and rounding, one head at a time; redundantly across splits,
+     a few hundred bytes a head) into the [BLOCK_H, BLOCK_D] tile the shared decode body (_decode_split) takes;
+  k, v: the program whose slice holds position kv_len - 1 (the last used split; split 0 for kv_len == 0) makes the
+     new token's k (normalised, rotated) and v rows, attends with them in place of that cache row (NEWEST_GIVEN:
+     the row is never read back), and writes them to the cache at slot_mapping[seq] (slot -1: nothing) for later
+     steps. No other program reads position kv_len - 1, so no ordering between programs is needed.
      Precondition (true of every decode batch the scheduler builds): slot_mapping[seq] is the cache slot of
      position kv_lens[seq] - 1 of seq's block table, and no other sequence's context reads that slot.
 
 Numerics therefore equal qk_norm_rope_store then decode_attention: bit-equal caches; in fp32 the outputs agree
 exactly under the interpreter (compiled, the norm's fp32 sum may be reduced in another order than the prologue's
-one-warp program, an ulp in rstd). Same conventions as decode_attention: PDL (pdl_wait first), grid and per-split
-lengths from shapes only (CUDA-graph safe, no host sync), the DecodeScratch partials and counters, both merge modes.
+one-warp program, an ulp in rstd). Same conventions as decode_attention: PDL, grid and per-split lengths from
+shapes only (CUDA-graph safe, no host sync), the DecodeScratch partials and counters, both merge modes. head_dim
+must be a power of two (the q/k rows are built from their two halves in registers).
 
 Switched on by KESTREL_FUSED_DECODE_PROLOGUE=1 (TritonAttentionBackend.decodes_from_qkv; models/llama.py
-Attention.attend). Off by default: on the H200 it removed the predicted 28 launches per Qwen3-0.6B decode step
-but the step took 0.864 ms against 0.853 (predicted -7%): inside one program rotate -> write K/V -> barrier ->
-attend run in series, while as two PDL launches the attention kernel's start already overlapped the prologue.
+Attention.attend). History: the first version (session 4) wrote q and the new K/V to memory, then a CTA barrier,
+then read them back, with no prefetch; on the H200 it removed the 28 launches but the 0.6B step took 0.864 ms
+against 0.853 (+1%; predicted -7%): rotate -> write -> barrier -> attend ran in series inside each program. This
+version (session 9) keeps them in registers and prefetches like decode_attention; unmeasured (BENCHMARKS.md).
 """
 from __future__ import annotations
 
@@ -38,16 +40,27 @@ import triton
 import triton.language as tl
 
 from kestrel.attention.triton_kernels import (
-    LOG2E, _check_cache, _decode_split, _decode_split_range, _decode_zero_output, decode_meta, decode_reduce,
-    decode_scratch,
+    LOG2E, _check_cache, _decode_split, _decode_split_range, _decode_zero_output, _load_kv_tile, decode_meta,
+    decode_reduce, decode_scratch, prefetch_before_wait,
 )
-from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at, write_new_kv
+from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 
 def fused_decode_enabled() -> bool:
     """KESTREL_FUSED_DECODE_PROLOGUE=1 turns the one-launch prologue + decode on (default off: an experiment)."""
     return os.environ.get("KESTREL_FUSED_DECODE_PROLOGUE", "0") == "1"
+
+
+@triton.jit
+def _head_row(src, weight_ptr, cos, sin, eps, cols, mask,
+              HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
+    """One head normalised and rotated (_norm_rotate_head, the prologue's numerics) as a [2 * HALF] row in DTYPE,
+    halves side by side like the head's layout in memory; and the halves themselves."""
+    h1, h2 = _norm_rotate_head(src, weight_ptr, cos, sin, eps, cols, mask, HAS_NORM, HEAD_DIM, HALF)
+    h1 = h1.to(DTYPE)
+    h2 = h2.to(DTYPE)
+    return tl.reshape(tl.permute(tl.join(h1, h2), (1, 0)), (2 * HALF,)), h1, h2
 
 
 @triton.jit
@@ -69,45 +82,61 @@ def _decode_from_qkv_kernel(
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    pdl_wait(USE_PDL)   # qkv, positions, slots and the counters come from earlier kernels / copies
-
-    kv_len = tl.load(kv_lens_ptr + seq)
-    start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
     cols = tl.arange(0, BLOCK_HALF)
     mask = cols < HALF
-    row = qkv_ptr + seq.to(tl.int64) * stride_qkv
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    # Before the wait, only what no kernel of this step writes (as in decode_attention): kv_lens, the block table,
+    # positions and the rotary table (copied in before the step), and the K/V of every earlier token.
+    kv_len = tl.load(kv_lens_ptr + seq)
+    start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
     cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, seq, stride_cos_sin, cols, mask, HALF)
+    if PREFETCH:
+        k_first, v_first = _load_kv_tile(start, start, tl.minimum(end, kv_len - 1),
+                                         block_table_ptr + seq * stride_bt, k_cache_ptr + kv_head * stride_kc_head,
+                                         v_cache_ptr + kv_head * stride_vc_head, stride_kc_block, stride_kc_off,
+                                         stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+    else:
+        k_first, v_first = 0, 0   # unused
+    pdl_wait(USE_PDL)   # qkv and the counters come from earlier kernels
 
-    # The new token (position kv_len - 1) lies in the last used split; with kv_len == 0 split 0 stands in.
+    row = qkv_ptr + seq.to(tl.int64) * stride_qkv
+    dtype = qkv_ptr.dtype.element_ty
+    # The new token (position kv_len - 1) lies in the last used split; with kv_len == 0 split 0 stands in. That
+    # program computes its k and v row in registers, attends with them, and writes them to the cache slot.
+    k_row = tl.zeros([2 * HALF], dtype)
+    v_row = tl.zeros([2 * HALF], dtype)
     if split == tl.maximum(used_splits - 1, 0):
+        k_row, k1, k2 = _head_row(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
+                                  HAS_K_NORM, HEAD_DIM, HALF, dtype)
+        v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+        v1 = tl.load(v_src + cols, mask=mask, other=0.0)
+        v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
+        v_row = tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (2 * HALF,))
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         if slot >= 0:   # slot -1 marks padding: nothing to write
-            write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
-                         stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
-                         stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM)
+            block = slot // BLOCK_SIZE
+            offset = slot % BLOCK_SIZE
+            k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
+            v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
+            tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
     if start < end:
-        # q of the GROUP heads, rounded to the model dtype like the prologue's q, into this program's own rows of
-        # partial_out (split `split`); _decode_split overwrites them with the partial only after a barrier.
-        q_rows = part_out_ptr + seq * stride_po_s + split * stride_po_split
-        for h in tl.static_range(GROUP):
-            head = kv_head * GROUP + h
-            q1, q2 = _norm_rotate_head(row + head * HEAD_DIM, q_norm_ptr, cos, sin, eps, cols, mask,
-                                       HAS_Q_NORM, HEAD_DIM, HALF)
-            dst = q_rows + head * stride_po_h
-            tl.store(dst + cols, q1.to(qkv_ptr.dtype.element_ty).to(tl.float32), mask=mask)
-            tl.store(dst + HALF + cols, q2.to(qkv_ptr.dtype.element_ty).to(tl.float32), mask=mask)
-        # One CTA barrier: the q rows, and in the writer the new K/V, are visible to all of its threads.
-        tl.debug_barrier()
+        # q of the GROUP heads in registers, [BLOCK_H, BLOCK_D] (rows past GROUP zero), rounded like the prologue's
         rows = tl.arange(0, BLOCK_H)
-        dims = tl.arange(0, BLOCK_D)
-        q = tl.load(q_rows + (kv_head * GROUP + rows)[:, None] * stride_po_h + dims[None, :],
-                    mask=(rows[:, None] < GROUP) & (dims[None, :] < HEAD_DIM), other=0.0)
-        q = q.to(qkv_ptr.dtype.element_ty)   # exact: the values were rounded to this dtype
+        q = tl.zeros([BLOCK_H, BLOCK_D], dtype)
+        for h in tl.static_range(GROUP):
+            q_row, _, _ = _head_row(row + (kv_head * GROUP + h) * HEAD_DIM, q_norm_ptr, cos, sin, eps, cols, mask,
+                                    HAS_Q_NORM, HEAD_DIM, HALF, dtype)
+            q = tl.where((rows == h)[:, None], q_row[None, :], q)
         if DOT_FP32:
             q = q.to(tl.float32)
         _decode_split(q, seq, kv_head, split, kv_len, start, end, used_splits,
@@ -118,7 +147,7 @@ def _decode_from_qkv_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, True, 0, 0, False)
+                      INTERPRET, MERGE, BLOCK_S, True, k_first, v_first, PREFETCH, k_row, v_row)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 
@@ -149,6 +178,7 @@ def decode_attention_from_qkv(
     assert num_heads % num_kv_heads == 0, f"{num_heads} query heads do not group over {num_kv_heads} kv heads"
     assert head_dim % 2 == 0 and cos_sin_cache.shape[-1] == head_dim and cos_sin_cache.stride(-1) == 1, \
         f"cos_sin_cache {tuple(cos_sin_cache.shape)}: partial rotary is not supported, rot_dim must be {head_dim}"
+    assert head_dim & (head_dim - 1) == 0, f"head_dim {head_dim}: the in-register q/k rows need a power of two"
     for w in (q_norm_w, k_norm_w):
         assert w is None or (w.shape == (head_dim,) and w.dtype == qkv.dtype and w.stride(-1) == 1), \
             "qk-norm weights must be [head_dim] in qkv's dtype"
@@ -181,7 +211,7 @@ def decode_attention_from_qkv(
         counters.stride(0),
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
-        BLOCK_SIZE=block_size, **meta, **pdl,
+        BLOCK_SIZE=block_size, PREFETCH=prefetch_before_wait(), **meta, **pdl,
     )
     if not meta["MERGE"]:
         decode_reduce(partials, kv_lens, out, num_splits, meta, pdl)

@@ -6,7 +6,7 @@ token p of sequence s lives at block_table[s, p // block_size], offset p % block
 The torch oracle for every kernel is kestrel/attention/torch_ref.py. On CPU tensors the kernels only run under
 Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); that is how the CPU tests run them.
 The decode program's body (_decode_split) is shared with fused_decode.py, the attention prologue + decode in one
-launch (experiment, KESTREL_FUSED_DECODE_PROLOGUE=1).
+launch (experiment, KESTREL_FUSED_DECODE_PROLOGUE=1), which hands it the newest token's K/V row in registers.
 """
 from __future__ import annotations
 
@@ -144,6 +144,51 @@ def _attend_tile(
     return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
 
 
+@triton.jit
+def _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N: tl.constexpr):
+    """The K/V tile of keys n0 .. n0 + BLOCK_N - 1 with the row at position `newest` replaced by k_row, v_row
+    [BLOCK_D] (whatever was loaded there, if anything, is dropped)."""
+    is_newest = (n0 + tl.arange(0, BLOCK_N) == newest)[:, None]
+    return tl.where(is_newest, k_row[None, :].to(k.dtype), k), tl.where(is_newest, v_row[None, :].to(v.dtype), v)
+
+
+@triton.jit
+def _attend_tile_newest_given(
+    q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
+    table_row, k_base, v_base,
+    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+    dims, dim_mask, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """_attend_tile with the newest key's row taken from registers, never from the cache (this launch writes it)."""
+    k, v = _load_kv_tile(n0, n0, tl.minimum(kv_end, newest), table_row, k_base, v_base, stride_kc_block,
+                         stride_kc_off, stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+    k, v = _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N)
+    return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
+
+
+@triton.jit
+def _decode_tile(
+    q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
+    table_row, k_base, v_base,
+    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+    dims, dim_mask, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    NEWEST_GIVEN: tl.constexpr,
+):
+    """One tile of a decode slice: _attend_tile, or with NEWEST_GIVEN _attend_tile_newest_given."""
+    if NEWEST_GIVEN:
+        m_i, l_i, acc = _attend_tile_newest_given(q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
+                                                  table_row, k_base, v_base, stride_kc_block, stride_kc_off,
+                                                  stride_vc_block, stride_vc_off, dims, dim_mask, scale_log2,
+                                                  BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
+    else:
+        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kv_end, row_pos, table_row, k_base, v_base,
+                                     stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                     dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # decode: flash-decoding with split-K, merged in the same launch
 # ---------------------------------------------------------------------------------------------------------------
@@ -218,16 +263,18 @@ def _decode_split(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, Q_IN_PARTIALS: tl.constexpr,
-    k_first, v_first, PREFETCHED: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, NEWEST_GIVEN: tl.constexpr,
+    k_first, v_first, PREFETCHED: tl.constexpr, k_row, v_row,
 ):
     """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
     of kv_head, rows past GROUP zero) attends to keys start .. end - 1; then the output, or the partial and the
-    merge (comment above). Q_IN_PARTIALS: q was read from this program's own partial_out rows (fused_decode.py),
-    so every thread's q load must be done before the partial store overwrites them.
+    merge (comment above).
     PREFETCHED: k_first, v_first hold the slice's first tile as read before the PDL wait, every key but the
-    newest (position kv_len - 1, written by the kernel just before this one); that row is read now and put in.
-    Otherwise k_first, v_first are unused."""
+    newest (position kv_len - 1, written by the kernel just before this one); that row is put in now.
+    Otherwise k_first, v_first are unused.
+    NEWEST_GIVEN: the newest key's K/V row is k_row, v_row [BLOCK_D] (fused_decode.py computes it in this launch
+    and writes the cache slot itself), never read from the cache; otherwise it is read from the cache and k_row,
+    v_row are unused."""
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -244,38 +291,40 @@ def _decode_split(
     k_base = k_cache_ptr + kv_head * stride_kc_head
     v_base = v_cache_ptr + kv_head * stride_vc_head
     first = start
+    newest = kv_len - 1   # in a tile of this slice only if the slice ends the context
     if PREFETCHED:
-        newest = kv_len - 1   # in this tile only if the slice ends the context and the tile reaches it
-        k_new, v_new = _load_kv_tile(start, newest, tl.minimum(end, newest + 1), table_row, k_base, v_base,
-                                     stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                     dims, dim_mask, BLOCK_N, BLOCK_SIZE)
-        is_newest = (start + tl.arange(0, BLOCK_N) == newest)[:, None]
-        m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, tl.where(is_newest, k_new, k_first),
-                                   tl.where(is_newest, v_new, v_first), start, end, row_pos, scale_log2,
+        if NEWEST_GIVEN:
+            k_tile, v_tile = _with_newest_row(k_first, v_first, start, newest, k_row, v_row, BLOCK_N)
+        else:
+            k_new, v_new = _load_kv_tile(start, newest, tl.minimum(end, newest + 1), table_row, k_base, v_base,
+                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                         dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+            is_newest = (start + tl.arange(0, BLOCK_N) == newest)[:, None]
+            k_tile = tl.where(is_newest, k_new, k_first)
+            v_tile = tl.where(is_newest, v_new, v_first)
+        m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k_tile, v_tile, start, end, row_pos, scale_log2,
                                    BLOCK_N, DOT_FP32, DOT_PRECISION)
         first = start + BLOCK_N
     if INTERPRET:
         n0 = first
         while n0 < end:
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
-                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                         DOT_PRECISION)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, n0, end, row_pos, newest, k_row, v_row, table_row,
+                                         k_base, v_base, stride_kc_block, stride_kc_off, stride_vc_block,
+                                         stride_vc_off, dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                         DOT_PRECISION, NEWEST_GIVEN)
             n0 += BLOCK_N
     else:
         for n0 in range(first, end, BLOCK_N):
-            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
-                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                         DOT_PRECISION)
+            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, n0, end, row_pos, newest, k_row, v_row, table_row,
+                                         k_base, v_base, stride_kc_block, stride_kc_off, stride_vc_block,
+                                         stride_vc_off, dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
+                                         DOT_PRECISION, NEWEST_GIVEN)
 
     if used_splits == 1:   # the whole context in one program: no partials, no atomics
         tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
         pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
-        if Q_IN_PARTIALS:
-            tl.debug_barrier()   # all threads have read q from the rows the partial store below overwrites
         tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
         tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
         if MERGE:   # in this launch: the last split program to finish merges (else _decode_reduce_kernel)
@@ -359,7 +408,7 @@ def _decode_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH)
+                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH, 0, 0)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 

@@ -106,7 +106,7 @@ def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_ca
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
                  BLOCK_SIZE: tl.constexpr, HAS_K_NORM: tl.constexpr):
     """k head kv_head of the qkv row at `row`, normalised and rotated, and the matching v head, into the caches at
-    `slot` (>= 0). Also used by the fused decode kernel (attention/fused_decode.py)."""
+    `slot` (>= 0)."""
     k1, k2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
                                HAS_K_NORM, HEAD_DIM, HALF)
     block = slot // BLOCK_SIZE
