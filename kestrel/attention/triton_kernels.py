@@ -153,21 +153,6 @@ def _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N: tl.constexpr):
 
 
 @triton.jit
-def _attend_tile_newest_given(
-    q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
-    table_row, k_base, v_base,
-    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-    dims, dim_mask, scale_log2,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-):
-    """_attend_tile with the newest key's row taken from registers, never from the cache (this launch writes it)."""
-    k, v = _load_kv_tile(n0, n0, tl.minimum(kv_end, newest), table_row, k_base, v_base, stride_kc_block,
-                         stride_kc_off, stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
-    k, v = _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N)
-    return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
-
-
-@triton.jit
 def _decode_tile(
     q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
     table_row, k_base, v_base,
@@ -176,17 +161,14 @@ def _decode_tile(
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
     NEWEST_GIVEN: tl.constexpr,
 ):
-    """One tile of a decode slice: _attend_tile, or with NEWEST_GIVEN _attend_tile_newest_given."""
+    """_attend_tile for a decode slice; with NEWEST_GIVEN the newest key's row (position `newest`) is k_row, v_row
+    from registers, never read from the cache (this launch writes it)."""
+    hi = tl.minimum(kv_end, newest) if NEWEST_GIVEN else kv_end
+    k, v = _load_kv_tile(n0, n0, hi, table_row, k_base, v_base, stride_kc_block, stride_kc_off,
+                         stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
     if NEWEST_GIVEN:
-        m_i, l_i, acc = _attend_tile_newest_given(q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
-                                                  table_row, k_base, v_base, stride_kc_block, stride_kc_off,
-                                                  stride_vc_block, stride_vc_off, dims, dim_mask, scale_log2,
-                                                  BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
-    else:
-        m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, kv_end, row_pos, table_row, k_base, v_base,
-                                     stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                     dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
-    return m_i, l_i, acc
+        k, v = _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N)
+    return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------------------------
