@@ -40,6 +40,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
 import torch
 import triton
@@ -155,6 +156,18 @@ def _matvec_phase_kernel(x_ptr, w_ptr, phase, ROWS: tl.constexpr, K: tl.constexp
         tl.store(nxt + r * K + rows, out.to(tl.bfloat16))
 
 
+def checked_us_per_phase(body: Callable[[], None], check: Callable[[], None], phases: int) -> float:
+    """Run body once (compiling its kernels) and check the result, then capture it in a CUDA graph and time it:
+    us per phase."""
+    body()
+    torch.cuda.synchronize()
+    check()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        body()
+    return replay_time_us(graph, REPLAYS) / phases
+
+
 def measure_matvec(phases: int = PHASES) -> dict:
     """us per phase of the matvec-epilogue variants (module docstring); every result checked."""
     dev = torch.device("cuda")
@@ -170,14 +183,10 @@ def measure_matvec(phases: int = PHASES) -> dict:
             for phase in range(phases):
                 _matvec_phase_kernel[(MV_PROGRAMS,)](x, weights, phase, ROWS=MV_ROWS, K=MV_K, MODE=mode, REPS=reps,
                                                      num_warps=4, **pdl)
+        def check() -> None:
+            assert torch.equal(x, torch.ones_like(x)), f"{name}: wrong result"
         x[1].zero_()   # phase 0 reads x[0] and writes x[1]: every copy of both must come out 1
-        body()
-        torch.cuda.synchronize()
-        assert torch.equal(x, torch.ones_like(x)), f"{name}: wrong result"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        result[f"{name}_us_per_phase"] = replay_time_us(graph, REPLAYS) / phases
+        result[f"{name}_us_per_phase"] = checked_us_per_phase(body, check, phases)
     return result
 
 
@@ -219,17 +228,14 @@ def measure(tile: int, leads: list[int], phases: int = PHASES) -> dict:
         variants.update({f"chain_l2_lead{lead}": (lambda lead=lead: chain_l2(lead)) for lead in leads})
     result = {"tile": tile, "programs": programs, "phases": phases, "warps": warps, "pdl": bool(pdl["USE_PDL"]),
               "weight_bytes_per_phase": programs * tile * 2}
+    def grew_by_phases() -> None:   # every value grew by exactly `phases`
+        final = buf[phases % 2]
+        assert torch.equal(final, torch.full_like(final, float(phases))), f"wrong result {final[:4]}"
+
     for name, body in variants.items():
         print(f"  tile {tile}: {name}", file=sys.stderr, flush=True)   # which one, should a kernel hang
         buf.zero_()
-        body()                       # compile, and check one run: every value grew by exactly `phases`
-        torch.cuda.synchronize()
-        final = buf[phases % 2]
-        assert torch.equal(final, torch.full_like(final, float(phases))), f"{name}: wrong result {final[:4]}"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            body()
-        result[f"{name}_us_per_phase"] = replay_time_us(graph, REPLAYS) / phases
+        result[f"{name}_us_per_phase"] = checked_us_per_phase(body, grew_by_phases, phases)
         if name.startswith("chain_l2"):   # the last replay's polls: at the budget means the branches ran apart
             result[f"{name}_max_polls"] = int(progress[1:].max())
     return result

@@ -75,9 +75,9 @@ if [[ $STAGES == *" profile "* ]]; then
   # llama-3.1-8b@KESTREL_CUBLAS_COLUMN=1, llama-3.1-8b@TORCH_BLAS_PREFER_CUBLASLT=1.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu time
   # the step with that work taken out (garbage tokens), to see what the matmuls cost without it.
-  # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list re-measures the reference points: the fused
-  # argmax off on both models, 16-key decode tiles (-0.4%, within noise) and the prologue's rotary loads before
-  # its wait (-0.5% in session 6).
+  # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list
+  # re-measures the reference points: the fused argmax off on both models, 16-key decode tiles (-0.4%, within
+  # noise) and the prologue's rotary loads before its wait (-0.5% in session 6).
   for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16 \
       KESTREL_PROLOGUE_PREFETCH=1}; do
     model=qwen3-0.6b; switch=$ab

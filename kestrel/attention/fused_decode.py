@@ -43,7 +43,7 @@ from kestrel.attention.triton_kernels import (
     LOG2E, _check_cache, _decode_split, _decode_split_range, _decode_zero_output, _load_kv_tile, decode_meta,
     decode_reduce, decode_scratch, prefetch_before_wait,
 )
-from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at
+from kestrel.layers.attention_prologue import _norm_rotate_head, cos_sin_at, new_v_halves, store_new_kv
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 
@@ -53,14 +53,20 @@ def fused_decode_enabled() -> bool:
 
 
 @triton.jit
+def _row(h1, h2, HALF: tl.constexpr):
+    """A head's two halves [HALF] side by side, as the head lies in memory: [2 * HALF]."""
+    return tl.reshape(tl.permute(tl.join(h1, h2), (1, 0)), (2 * HALF,))
+
+
+@triton.jit
 def _head_row(src, weight_ptr, cos, sin, eps, cols, mask,
               HAS_NORM: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr, DTYPE: tl.constexpr):
-    """One head normalised and rotated (_norm_rotate_head, the prologue's numerics) as a [2 * HALF] row in DTYPE,
-    halves side by side like the head's layout in memory; and the halves themselves."""
+    """One head normalised and rotated (_norm_rotate_head, the prologue's numerics) as a [2 * HALF] row in DTYPE;
+    and its halves."""
     h1, h2 = _norm_rotate_head(src, weight_ptr, cos, sin, eps, cols, mask, HAS_NORM, HEAD_DIM, HALF)
     h1 = h1.to(DTYPE)
     h2 = h2.to(DTYPE)
-    return tl.reshape(tl.permute(tl.join(h1, h2), (1, 0)), (2 * HALF,)), h1, h2
+    return _row(h1, h2, HALF), h1, h2
 
 
 @triton.jit
@@ -114,20 +120,13 @@ def _decode_from_qkv_kernel(
     if split == tl.maximum(used_splits - 1, 0):
         k_row, k1, k2 = _head_row(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
                                   HAS_K_NORM, HEAD_DIM, HALF, dtype)
-        v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-        v1 = tl.load(v_src + cols, mask=mask, other=0.0)
-        v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
-        v_row = tl.reshape(tl.permute(tl.join(v1, v2), (1, 0)), (2 * HALF,))
+        v1, v2 = new_v_halves(row, kv_head, cols, mask, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
+        v_row = _row(v1, v2, HALF)
         slot = tl.load(slot_ptr + seq).to(tl.int64)
         if slot >= 0:   # slot -1 marks padding: nothing to write
-            block = slot // BLOCK_SIZE
-            offset = slot % BLOCK_SIZE
-            k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
-            v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
-            tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-            tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+            store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, mask,
+                         stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
+                         stride_vc_head, HALF, BLOCK_SIZE)
 
     if start < end:
         # q of the GROUP heads in registers, [BLOCK_H, BLOCK_D] (rows past GROUP zero), rounded like the prologue's

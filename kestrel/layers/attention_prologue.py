@@ -101,6 +101,29 @@ def cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HA
 
 
 @triton.jit
+def new_v_halves(row, kv_head, cols, mask, NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr,
+                 HEAD_DIM: tl.constexpr, HALF: tl.constexpr):
+    """The two halves of v head kv_head of the qkv row at `row`, as stored (v is neither normalised nor rotated)."""
+    v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
+    return tl.load(v_src + cols, mask=mask, other=0.0), tl.load(v_src + HALF + cols, mask=mask, other=0.0)
+
+
+@triton.jit
+def store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, mask,
+                 stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
+                 HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
+    """A new token's k and v halves into the caches at `slot` (>= 0), head kv_head."""
+    block = slot // BLOCK_SIZE
+    offset = slot % BLOCK_SIZE
+    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
+    tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
+    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
+    tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
                  stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
@@ -109,17 +132,10 @@ def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_ca
     `slot` (>= 0)."""
     k1, k2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
                                HAS_K_NORM, HEAD_DIM, HALF)
-    block = slot // BLOCK_SIZE
-    offset = slot % BLOCK_SIZE
-    k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
-    tl.store(k_dst + cols, k1.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(k_dst + HALF + cols, k2.to(k_cache_ptr.dtype.element_ty), mask=mask)
-    v_src = row + (NUM_HEADS + NUM_KV_HEADS + kv_head) * HEAD_DIM
-    v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off + kv_head * stride_vc_head
-    v1 = tl.load(v_src + cols, mask=mask, other=0.0)
-    v2 = tl.load(v_src + HALF + cols, mask=mask, other=0.0)
-    tl.store(v_dst + cols, v1.to(v_cache_ptr.dtype.element_ty), mask=mask)
-    tl.store(v_dst + HALF + cols, v2.to(v_cache_ptr.dtype.element_ty), mask=mask)
+    v1, v2 = new_v_halves(row, kv_head, cols, mask, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
+    store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, mask,
+                 stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
+                 HALF, BLOCK_SIZE)
 
 
 @triton.jit
