@@ -200,6 +200,15 @@ def test_silu_mul_gemv_kernel_matches_reference(path, dtype, m, with_bias):
     assert_matches(got, gemv.silu_mul_gemv_ref(t["gate_up"], t["w"], t["bias"]))
 
 
+@pytest.mark.parametrize("path,one_pass", [("broadcast", False), ("dot", False), ("dot-fold4", False),
+                                           ("broadcast-whole-k", True)])
+def test_add_rms_norm_reads_x_once_where_k_is_one_broadcast_tile(monkeypatch, path, one_pass):
+    """The whole-k broadcast path above runs the one-pass norm, the others two passes; both meet the reference."""
+    assert gemv.one_pass_norm(PATHS[path], K) is one_pass
+    monkeypatch.setenv("KESTREL_GEMV_ONE_PASS_NORM", "0")
+    assert not gemv.one_pass_norm(PATHS[path], K)
+
+
 @interpreted_only
 def test_fp16_residual_sum_is_exact_and_default_config_runs():
     """The interpreter rounds fp16 like torch, so the residual stream must come out bit-equal."""

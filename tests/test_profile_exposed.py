@@ -83,3 +83,18 @@ def test_profile_ablations_take_the_folded_norm_and_silu_out_of_the_skinny_matmu
     assert res is residual and no_norm(x, None, torch.ones(32), 1e-6, w)[1] is x
     gate_up, w_down = torch.randn(1, 64), torch.randn(16, 32)
     torch.testing.assert_close(no_silu(gate_up, w_down), gate_up[:, :32] @ w_down.T, rtol=1e-4, atol=1e-4)
+
+
+def test_profile_ablation_of_the_decode_merge_leaves_the_partials_unmerged():
+    """`merge`: decode's compile-time MERGE is off and the second launch that would merge instead does nothing."""
+    import torch
+
+    from benchmarks.profile_decode import ablations
+    from kestrel.attention import triton_kernels
+    patches = ablations("merge")
+    assert [(mod, attr) for mod, attr, _ in patches] == [(triton_kernels, "merge_in_kernel"),
+                                                       (triton_kernels, "decode_reduce")]
+    merge_in_kernel, decode_reduce = (stand_in for _, _, stand_in in patches)
+    assert merge_in_kernel() is False
+    out = torch.zeros(1, 2, 8)
+    assert decode_reduce(None, None, out, 4, {}, {}) is None and not out.any()

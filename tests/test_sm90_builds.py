@@ -50,8 +50,8 @@ def test_pdl_signal_placement_for_sm90():
     from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
     skinny = compile_for_sm90(_skinny_matmul_kernel, dict(
         K=1024, PROLOGUE=PROLOGUE_RMS.value, HAS_RES=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024,
-        USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32", USE_PDL=use_pdl),
-        {"eps": "fp32"})
+        USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32", USE_PDL=use_pdl,
+        ONE_PASS_NORM=False), {"eps": "fp32"})
     norm = compile_for_sm90(_rms_norm_kernel, dict(N=1024, BLOCK=1024, HAS_RESIDUAL=True, USE_PDL=use_pdl),
                             {"eps": "fp32"})
     decode = compile_for_sm90(_decode_kernel, dict(
@@ -72,6 +72,26 @@ def test_pdl_signal_placement_for_sm90():
                                "part_idx_ptr": "*i32", "counter_ptr": "*i32"})
     for ptx in (skinny, norm, decode, silu, prologue, argmax):
         assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+
+
+@pytest.mark.parametrize("block_m", [1, 4])
+def test_one_pass_norm_skinny_matmul_builds_for_sm90(block_m):
+    """The one-pass add-RMSNorm (gemv.one_pass_norm) against two passes: more loads before the PDL wait (the norm
+    weight joins the weight slice), fewer after it (x and the residual read once)."""
+    from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
+
+    def loads_around_wait(one_pass: bool) -> tuple[int, int]:
+        ptx = compile_for_sm90(_skinny_matmul_kernel, dict(
+            K=1024, PROLOGUE=PROLOGUE_RMS.value, HAS_RES=True, HAS_BIAS=False, BLOCK_M=block_m, BLOCK_N=4,
+            BLOCK_K=1024, USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32", USE_PDL=True,
+            ONE_PASS_NORM=one_pass), {"eps": "fp32"})
+        assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
+        before, after = ptx.split("griddepcontrol.wait;")
+        return before.count("ld.global"), after.count("ld.global")
+
+    one_before, one_after = loads_around_wait(True)
+    two_before, two_after = loads_around_wait(False)
+    assert one_before > two_before and one_after < two_after
 
 
 def test_boundary_bench_kernels_build_for_sm90():

@@ -24,8 +24,9 @@ Two ways to form the product, picked by the config (see default_config):
 Prologues, with the numerics of kestrel/layers/fused_ops.py (each `*_ref` below spells them out):
   - none:        a = x
   - add-RMSNorm: h = (x + residual) rounded to the model dtype; a = norm_w * (h * rsqrt(mean(h^2) + eps)).to(dtype).
-                 A first pass over K sums h^2 per row, the second does the matmul, recomputing h. Program 0 alone
-                 writes residual_out = h.
+                 A first pass over K sums h^2 per row, the second does the matmul, recomputing h; where a
+                 program's K slice is one tile (broadcast path), one pass does both (one_pass_norm). Program 0
+                 alone writes residual_out = h.
   - SiLU-mul:    gate_up [M, 2I] = [gate | up]; a = silu(gate).to(dtype) * up, rounded to dtype.
 The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one rounding to the model dtype. The
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
@@ -179,9 +180,15 @@ def _activation(x_ptr, res_ptr, x_offs, r_offs, mask, norm_w, rstd,
     else:
         a = _residual_sum(x_ptr, res_ptr, x_offs, r_offs, mask, HAS_RES)
         if PROLOGUE == PROLOGUE_RMS:
-            normed = (a.to(tl.float32) * rstd).to(a.dtype).to(tl.float32)
-            a = (norm_w * normed).to(a.dtype)
+            a = _rms_scale(a, norm_w, rstd)
     return a
+
+
+@triton.jit
+def _rms_scale(h, norm_w, rstd):
+    """norm_w * (h * rstd), with RMSNorm's two roundings to the model dtype (fused_ops.rms_norm_ref's numerics)."""
+    normed = (h.to(tl.float32) * rstd).to(h.dtype).to(tl.float32)
+    return (norm_w * normed).to(h.dtype)
 
 
 @triton.jit
@@ -296,6 +303,30 @@ def _broadcast_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, s
 
 
 @triton.jit
+def _broadcast_one_pass_norm_mac(acc, w, norm_w, x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm,
+                                 stride_rom, eps, K: tl.constexpr, HAS_RES: tl.constexpr,
+                                 BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_row_rstd + _broadcast_mac in one pass, for a program whose whole K slice is one tile (BLOCK_K >= K): each
+    x row is read once and its rstd and activation come from the same registers. Two passes read x twice, one
+    L2 round trip after the other, both after the PDL wait. norm_w [BLOCK_K] fp32 was read before the wait."""
+    ks = tl.arange(0, BLOCK_K)
+    k_mask = ks < K
+    w = w.to(tl.float32)
+    rows = tl.arange(0, BLOCK_M)
+    for m in tl.static_range(BLOCK_M):
+        mask = k_mask & (m < M)
+        h = _residual_sum(x_ptr, res_ptr, m * stride_xm + ks, m * stride_rm + ks, mask, HAS_RES)
+        if HAS_RES:
+            tl.store(res_out_ptr + m * stride_rom + ks, h, mask=mask & (pid == 0))
+        hf = h.to(tl.float32)
+        rstd = tl.rsqrt(tl.sum(hf * hf, 0) / K + eps)
+        a = _rms_scale(h, norm_w, rstd).to(tl.float32)
+        part = tl.sum(w * a[None, :], 1)                                  # [BLOCK_N]
+        acc += tl.where(rows[None, :] == m, part[:, None], 0.0)
+    return acc
+
+
+@triton.jit
 def _w_tile(w_ptr, k0, n0, N, stride_wn, K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
             USE_DOT: tl.constexpr, FOLD: tl.constexpr):
     if USE_DOT:
@@ -326,21 +357,28 @@ def _skinny_matmul_kernel(
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
-    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr,
+    DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ONE_PASS_NORM: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
     # The first weight tile does not depend on the kernel before this one: under PDL it is read while that
-    # kernel finishes (for most decode shapes it is the program's whole slice of w).
+    # kernel finishes (for most decode shapes it is the program's whole slice of w). So is the norm weight.
     w = _w_tile(w_ptr, 0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
-    pdl_wait(USE_PDL)
-    rstd = tl.zeros([BLOCK_M], tl.float32)
-    if PROLOGUE == PROLOGUE_RMS:
-        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm, stride_rom, eps,
-                         K, HAS_RES, BLOCK_M, BLOCK_K)
-    acc = tl.zeros([BLOCK_N * FOLD, FOLD * BLOCK_M], tl.float32)
-    acc = _mac(acc, w, 0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm, K, PROLOGUE, HAS_RES,
-               BLOCK_M, BLOCK_K, USE_DOT, FOLD, DOT_FP32, DOT_PRECISION)
+    if ONE_PASS_NORM:   # add-RMSNorm on the broadcast path with all of K in one tile (see one_pass_norm)
+        norm_w = tl.load(norm_w_ptr + tl.arange(0, BLOCK_K), mask=tl.arange(0, BLOCK_K) < K, other=0.0)
+        pdl_wait(USE_PDL)
+        acc = _broadcast_one_pass_norm_mac(tl.zeros([BLOCK_N, BLOCK_M], tl.float32), w, norm_w.to(tl.float32),
+                                           x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm, stride_rom,
+                                           eps, K, HAS_RES, BLOCK_M, BLOCK_K)
+    else:
+        pdl_wait(USE_PDL)
+        rstd = tl.zeros([BLOCK_M], tl.float32)
+        if PROLOGUE == PROLOGUE_RMS:
+            rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid, M, stride_xm, stride_rm, stride_rom, eps,
+                             K, HAS_RES, BLOCK_M, BLOCK_K)
+        acc = tl.zeros([BLOCK_N * FOLD, FOLD * BLOCK_M], tl.float32)
+        acc = _mac(acc, w, 0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm, K, PROLOGUE, HAS_RES,
+                   BLOCK_M, BLOCK_K, USE_DOT, FOLD, DOT_FP32, DOT_PRECISION)
     if UNROLL:
         for k0 in tl.static_range(BLOCK_K, K, BLOCK_K):
             w = _w_tile(w_ptr, k0, n0, N, stride_wn, K, BLOCK_N, BLOCK_K, USE_DOT, FOLD)
@@ -420,9 +458,18 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
         USE_DOT=cfg.use_dot, FOLD=fold, UNROLL=cfg.unroll,
         DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 models keep exact fp32 dots
+        ONE_PASS_NORM=prologue == PROLOGUE_RMS.value and one_pass_norm(cfg, k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out, res_out
+
+
+def one_pass_norm(cfg: GemvConfig, k: int) -> bool:
+    """Whether add-RMSNorm reads each x row once (rstd and activation from the same registers, the norm weight
+    read before the PDL wait): on the broadcast path when a program's K slice is one tile, as in the whole-slice
+    configs of every Qwen3-0.6B bs1 projection. Otherwise two passes over x. KESTREL_GEMV_ONE_PASS_NORM=0 turns it
+    off (A/B on the GPU)."""
+    return not cfg.use_dot and cfg.block_k >= k and os.environ.get("KESTREL_GEMV_ONE_PASS_NORM", "1") != "0"
 
 
 def _fold(cfg: GemvConfig) -> int:
