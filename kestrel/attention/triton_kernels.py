@@ -184,7 +184,7 @@ def _decode_tile(
 #   used_splits  > 1: each program writes a normalised partial output and its log2-sum-exp into scratch
 #         partial_out: [S, Hq, MAX_SPLITS, D] fp32      partial_lse: [S, Hq, MAX_SPLITS] fp32
 #     then bumps counters[s, kv_head] (int32) with an acq_rel atomic; the program that sees used_splits - 1 is
-#     the last, merges all used splits' partials (_merge_splits: one round of loads), writes the output and
+#     the last, merges all used splits' partials and writes the output (_merge_splits: one round of loads) and
 #     resets the counter to 0, so the scratch is ready for the next layer or graph replay.
 #     (KESTREL_DECODE_MERGE=reduce: no atomics; a second launch, _decode_reduce_kernel, merges instead.)
 #   kv_len == 0 (a padded row): split 0 writes zeros; no partials, no atomics.
@@ -197,15 +197,44 @@ def _decode_tile(
 # acquire invalidating L1 for the threads that did not issue it.
 
 @triton.jit
-def _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
-                  BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The softmax-weighted sum of splits 0 .. used_splits - 1 of the partials at po_base [BLOCK_H rows, split, D]
-    and pl_base [BLOCK_H rows, split] -> [BLOCK_H, BLOCK_D] fp32, normalised.
+def _merge_splits(po_group, pl_group, out_group, used_splits, stride_po_h, stride_po_split, stride_pl_h,
+                  stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
+                  BLOCK_S: tl.constexpr):
+    """Stores the softmax-weighted sum of splits 0 .. used_splits - 1 for the GROUP query heads of one kv head:
+    po_group, pl_group and out_group point at the group's first head in partial_out [head, split, D],
+    partial_lse [head, split] and out [head, D].
 
-    All log-sum-exps come in one load and the unrolled split loop's loads are independent of each other, so the
-    merge costs about one memory round trip, not one per split. Loads bypass L1 (.cg): other SMs wrote these lines
-    during this launch (memory ordering note above).
+    One head at a time: its log-sum-exps are scalar loads (the same value in every thread), so the weights need
+    no reduction across threads and no layout change, and the split loop is a multiply-add per element. Every
+    load is independent of the others, so the merge costs about one memory round trip. (Extracting each split's
+    weights from a [16, S] tile over the attention tiles' padded rows took 680 shuffles and 67 CTA barriers after
+    the atomic on the Qwen3-0.6B shapes.) Loads bypass L1 (.cg): other SMs wrote these lines during this launch
+    (memory ordering note above).
     """
+    dims = tl.arange(0, BLOCK_D)
+    dim_mask = dims < HEAD_DIM
+    for g in tl.static_range(GROUP):
+        pl = pl_group + g * stride_pl_h
+        m = float("-inf")
+        for sp in tl.static_range(BLOCK_S):
+            m = tl.maximum(m, tl.load(pl + sp, mask=sp < used_splits, other=float("-inf"), cache_modifier=".cg"))
+        acc = tl.zeros([BLOCK_D], tl.float32)
+        total = 0.0
+        for sp in tl.static_range(BLOCK_S):
+            used = sp < used_splits
+            weight = tl.exp2(tl.load(pl + sp, mask=used, other=float("-inf"), cache_modifier=".cg") - m)
+            part = tl.load(po_group + g * stride_po_h + sp * stride_po_split + dims, mask=dim_mask & used,
+                           other=0.0, cache_modifier=".cg")
+            acc += weight * part
+            total += weight
+        tl.store(out_group + g * stride_oh + dims, (acc / total).to(out_group.dtype.element_ty), mask=dim_mask)
+
+
+@triton.jit
+def _merge_splits_padded(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
+                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """The merge before session 10, over the 16 padded rows with a per-split column extraction; kept for one
+    A/B on the H200 (KESTREL_DECODE_MERGE_ROWS=padded), then the slower of the two goes."""
     splits = tl.arange(0, BLOCK_S)
     split_mask = splits < used_splits
     lse = tl.load(pl_base[:, None] + splits[None, :], mask=row_mask[:, None] & split_mask[None, :],
@@ -245,7 +274,8 @@ def _decode_split(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, NEWEST_GIVEN: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_PADDED: tl.constexpr,
+    NEWEST_GIVEN: tl.constexpr,
     k_first, v_first, PREFETCHED: tl.constexpr, k_row, v_row,
 ):
     """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
@@ -315,9 +345,17 @@ def _decode_split(
             counter = counter_ptr + seq * stride_cnt_s + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
             if done == used_splits - 1:
-                out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
-                                    BLOCK_H, BLOCK_D, BLOCK_S)
-                tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                if MERGE_PADDED:   # KESTREL_DECODE_MERGE_ROWS=padded (A/B)
+                    out = _merge_splits_padded(po_base, pl_base, used_splits, stride_po_split, row_mask, dims,
+                                               dim_mask, BLOCK_H, BLOCK_D, BLOCK_S)
+                    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
+                else:
+                    head0 = kv_head * GROUP
+                    _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
+                                  part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
+                                  out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
+                                  stride_po_h, stride_po_split, stride_pl_h, stride_oh,
+                                  GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
                 # Every split has counted, so nothing else touches the counter in this launch; the next
                 # launch is stream-ordered after this one.
                 tl.store(counter, 0)
@@ -351,8 +389,8 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_PADDED: tl.constexpr,
+    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -390,7 +428,7 @@ def _decode_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH, 0, 0)
+                      INTERPRET, MERGE, BLOCK_S, MERGE_PADDED, False, k_first, v_first, PREFETCH, 0, 0)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 
@@ -402,7 +440,7 @@ def _decode_reduce_kernel(
     stride_po_s, stride_po_h, stride_po_split,
     stride_pl_s, stride_pl_h,
     stride_os, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
+    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """The merge as a second launch (MERGE=False), one program per (sequence, kv head); a sequence whose context
@@ -412,23 +450,24 @@ def _decode_reduce_kernel(
     pdl_wait(USE_PDL)
     _, _, used_splits = _decode_split_range(tl.load(kv_lens_ptr + seq), 0, num_splits, BLOCK_N)
     if used_splits > 1:
-        rows = tl.arange(0, BLOCK_H)
-        heads = kv_head * GROUP + rows
-        row_mask = rows < GROUP
-        dims = tl.arange(0, BLOCK_D)
-        dim_mask = dims < HEAD_DIM
-        po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
-        pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
-        out = _merge_splits(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
-                            BLOCK_H, BLOCK_D, BLOCK_S)
-        tl.store(out_ptr + seq * stride_os + heads[:, None] * stride_oh + dims[None, :],
-                 out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
+        head0 = kv_head * GROUP
+        _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
+                      part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
+                      out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
+                      stride_po_h, stride_po_split, stride_pl_h, stride_oh,
+                      GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
 def merge_in_kernel() -> bool:
     """Where decode merges its splits: in the split launch (last program, atomics; default) or in a second
     launch. KESTREL_DECODE_MERGE=reduce picks the second (A/B on the GPU)."""
     return os.environ.get("KESTREL_DECODE_MERGE", "atomic") != "reduce"
+
+
+def merge_padded() -> bool:
+    """KESTREL_DECODE_MERGE_ROWS=padded: the in-launch merge of sessions 1-9, over the attention tiles' padded
+    rows (one A/B on the GPU, then the slower merge goes)."""
+    return os.environ.get("KESTREL_DECODE_MERGE_ROWS") == "padded"
 
 
 @functools.lru_cache(maxsize=None)
@@ -541,7 +580,7 @@ def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int) -> 
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits),
+        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits), MERGE_PADDED=merge_padded(),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
 
@@ -556,7 +595,7 @@ def decode_reduce(partials: DecodeScratch, kv_lens: torch.Tensor, out: torch.Ten
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         out.stride(0), out.stride(1),
-        GROUP=meta["GROUP"], HEAD_DIM=meta["HEAD_DIM"], BLOCK_H=meta["BLOCK_H"], BLOCK_D=meta["BLOCK_D"],
+        GROUP=meta["GROUP"], HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"],
         BLOCK_N=meta["BLOCK_N"], BLOCK_S=meta["BLOCK_S"], num_warps=4, **pdl,
     )
 
