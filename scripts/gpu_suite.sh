@@ -71,10 +71,13 @@ if [[ $STAGES == *" profile "* ]]; then
   #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
   #   Session 9: one 64 KB skinny program per SM (KESTREL_GEMV_PROGRAMS=128): +3.9%; the 0.6B's gate_up alone on
   #   192 wider programs: +0.5%; the 8B's Triton matmuls with PDL off: +7.9% (PDL is not why they lose). Removed.
-  # Prepared in session 9, unmeasured: KESTREL_FUSED_DECODE_PROLOGUE=1 (rebuilt: q and the new k/v in registers),
-  # llama-3.1-8b@KESTREL_CUBLAS_COLUMN=1, llama-3.1-8b@TORCH_BLAS_PREFER_CUBLASLT=1.
-  # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu time
-  # the step with that work taken out (garbage tokens), to see what the matmuls cost without it.
+  # Session 10: KESTREL_FUSED_DECODE_PROLOGUE=1 (rebuilt) +2.6% (0.6B), -0.7% (8B, twice): kept off, in the tree;
+  # the 8B's one-row cuBLAS matmuls asked as a column (-0.5%) and TORCH_BLAS_PREFER_CUBLASLT=1 (-0.5%), both in
+  # the 8B's noise: the column knob is removed. The one-pass add-RMSNorm is the default (-1.8%; A/B
+  # KESTREL_GEMV_ONE_PASS_NORM=0); the decode merge by query head is the default (A/B
+  # KESTREL_DECODE_MERGE_ROWS=padded, the old merge).
+  # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
+  # =merge time the step with that work taken out (garbage tokens), to see what the rest costs without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list
   # re-measures the reference points: the fused argmax off on both models, 16-key decode tiles (-0.4%, within
   # noise) and the prologue's rotary loads before its wait (-0.5% in session 6).

@@ -93,11 +93,10 @@ def skinny_matmuls(mode: str = "auto"):
     if mode == "0":
         return None
     from kestrel.layers import gemv
-    from kestrel.layers.skinny import SkinnyMatmuls, column_linear, plain_linear
+    from kestrel.layers.skinny import SkinnyMatmuls
 
     cap = skinny_weight_cap()
     policy = (lambda rows, n, k: True) if mode == "all" else \
         (lambda rows, n, k: skinny_policy(rows, n, k, max_weight_bytes=cap))
-    cublas = column_linear if os.environ.get("KESTREL_CUBLAS_COLUMN") == "1" else plain_linear   # A/B knob
     return SkinnyMatmuls(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
-                         silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy, cublas=cublas)
+                         silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy)

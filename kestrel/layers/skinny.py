@@ -11,8 +11,7 @@ layers/gemv.py read the weight once and fold those ops in:
 
 `use_triton(rows, out_features, in_features)` says per batch size and weight shape whether that beats norm kernel + cuBLAS (measured
 on the GPU, benchmarks/gemv_bench.py); where it does not, the unfused ops run, so the choice never changes
-results beyond bf16 rounding order inside a dot product. `cublas(x, linear)` runs those unfused matmuls:
-`linear(x)` by default; `column_linear` (A/B, KESTREL_CUBLAS_COLUMN=1) asks cuBLAS for w @ x.T at one row.
+results beyond bf16 rounding order inside a dot product.
 """
 from __future__ import annotations
 
@@ -23,20 +22,6 @@ import torch
 from torch import nn
 
 
-def plain_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    return linear(x)
-
-
-def column_linear(x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-    """One row as (w @ x.T).T: cuBLAS sees a single output column [N, 1] instead of a single row [1, N], and picks
-    its kernels for that shape (as a row, the 8B's qkv and o_proj get split-K kernels at ~72% of copy bandwidth
-    on the H200). The [1, N] result is a view of the column, contiguous as a one-row tensor."""
-    if x.shape[0] != 1:
-        return linear(x)
-    out = torch.mm(linear.weight, x.t()).t()
-    return out if linear.bias is None else out + linear.bias
-
-
 @dataclass(frozen=True)
 class SkinnyMatmuls:
     max_rows: int                                   # batches with more rows take the usual path
@@ -44,13 +29,12 @@ class SkinnyMatmuls:
     add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul_gemv: Callable[..., torch.Tensor]
     use_triton: Callable[[int, int, int], bool]
-    cublas: Callable[[torch.Tensor, nn.Module], torch.Tensor] = plain_linear   # the matmuls Triton does not take
 
     def _triton(self, x: torch.Tensor, linear: nn.Module) -> bool:
         return self.use_triton(x.shape[0], *linear.weight.shape)
 
     def linear(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        return self.gemv(x, linear.weight, linear.bias) if self._triton(x, linear) else self.cublas(x, linear)
+        return self.gemv(x, linear.weight, linear.bias) if self._triton(x, linear) else linear(x)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module
                     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -58,15 +42,15 @@ class SkinnyMatmuls:
         if self._triton(x, linear):
             return self.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
         if residual is None:
-            return self.cublas(norm(x), linear), x
+            return linear(norm(x)), x
         hidden, residual = norm(x, residual)
-        return self.cublas(hidden, linear), residual
+        return linear(hidden), residual
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, silu_and_mul: Callable | None = None
                     ) -> torch.Tensor:
         if self._triton(gate_up, linear):
             return self.silu_mul_gemv(gate_up, linear.weight, linear.bias)
         if silu_and_mul is not None:
-            return self.cublas(silu_and_mul(gate_up), linear)
+            return linear(silu_and_mul(gate_up))
         gate, up = gate_up.chunk(2, dim=-1)
-        return self.cublas(nn.functional.silu(gate) * up, linear)
+        return linear(nn.functional.silu(gate) * up)
