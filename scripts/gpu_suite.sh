@@ -74,8 +74,8 @@ if [[ $STAGES == *" profile "* ]]; then
   # Session 10: KESTREL_FUSED_DECODE_PROLOGUE=1 (rebuilt) +2.6% (0.6B), -0.7% (8B, twice): kept off, in the tree;
   # the 8B's one-row cuBLAS matmuls asked as a column (-0.5%) and TORCH_BLAS_PREFER_CUBLASLT=1 (-0.5%), both in
   # the 8B's noise: the column knob is removed. The one-pass add-RMSNorm is the default (-1.8%; A/B
-  # KESTREL_GEMV_ONE_PASS_NORM=0); the decode merge by query head is the default (A/B
-  # KESTREL_DECODE_MERGE_ROWS=padded, the old merge).
+  # KESTREL_GEMV_ONE_PASS_NORM=0); the decode merge by query head with scalar log-sum-exp loads replaced the
+  # merge over the 16 padded rows (-2.2%; the old merge is removed).
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge time the step with that work taken out (garbage tokens), to see what the rest costs without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list

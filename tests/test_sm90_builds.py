@@ -22,7 +22,7 @@ def test_decode_kernel_builds_for_sm90(block_n, warps, prefetch):
     from kestrel.attention.triton_kernels import _decode_kernel
     constexprs = dict(GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=block_n, BLOCK_SIZE=16,
                       DOT_FP32=False, DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32,
-                      MERGE_PADDED=False, USE_PDL=True, PREFETCH=prefetch)
+                      USE_PDL=True, PREFETCH=prefetch)
     ptx = compile_for_sm90(_decode_kernel, constexprs, DECODE_TYPES)
     assert "griddepcontrol.wait" in ptx and "atom" in ptx   # the PDL wait and the merge's counter
     # the merge after the counter: loads and multiply-adds, no shuffle, and only the barrier that hands the
@@ -60,7 +60,7 @@ def test_pdl_signal_placement_for_sm90():
                             {"eps": "fp32"})
     decode = compile_for_sm90(_decode_kernel, dict(
         GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16, DOT_FP32=False,
-        DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32, MERGE_PADDED=False, USE_PDL=use_pdl,
+        DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32, USE_PDL=use_pdl,
         PREFETCH=True), DECODE_TYPES)
     from kestrel.layers.attention_prologue import _qk_norm_rope_store_kernel
     from kestrel.layers.fused_ops import _silu_and_mul_kernel
@@ -142,7 +142,7 @@ def test_fused_decode_kernel_builds_for_sm90(prefetch):
     from kestrel.attention.fused_decode import _decode_from_qkv_kernel
     constexprs = dict(NUM_HEADS=16, NUM_KV_HEADS=8, HALF=64, BLOCK_HALF=64, HAS_Q_NORM=True, HAS_K_NORM=True,
                       GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16, DOT_FP32=False,
-                      DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32, MERGE_PADDED=False,
+                      DOT_PRECISION="tf32", INTERPRET=False, MERGE=True, BLOCK_S=32,
                       USE_PDL=True, PREFETCH=prefetch)
     ptx = compile_for_sm90(_decode_from_qkv_kernel, constexprs,
                            dict(DECODE_TYPES, positions_ptr="*i64", cos_sin_ptr="*fp32", slot_ptr="*i64",

@@ -93,14 +93,12 @@ def test_unpadded_store_kv_equals_the_filtering_one():
 @interpreted_only
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-# merge in the split launch or in a second launch (padded: in the split launch, over the attention tiles' padded
-# rows, the pre-session-10 merge kept for one A/B); prefetch: the first tile read before the PDL wait, the newest
+# merge in the split launch or in a second launch; prefetch: the first tile read before the PDL wait, the newest
 # token's row after it (KESTREL_DECODE_PREFETCH)
-@pytest.mark.parametrize("merge,prefetch", [("atomic", "0"), ("reduce", "0"), ("atomic", "1"), ("padded", "1")])
+@pytest.mark.parametrize("merge,prefetch", [("atomic", "0"), ("reduce", "0"), ("atomic", "1")])
 def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype,
                                                      num_splits, merge, prefetch, monkeypatch):
-    monkeypatch.setenv("KESTREL_DECODE_MERGE", "atomic" if merge == "padded" else merge)
-    monkeypatch.setenv("KESTREL_DECODE_MERGE_ROWS", "padded" if merge == "padded" else "group")
+    monkeypatch.setenv("KESTREL_DECODE_MERGE", merge)
     monkeypatch.setenv("KESTREL_DECODE_PREFETCH", prefetch)
     from kestrel.attention import torch_ref, triton_kernels
     gen = torch.Generator().manual_seed(head_dim * block_size + group)

@@ -87,7 +87,7 @@ def _decode_from_qkv_kernel(
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_PADDED: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -146,7 +146,7 @@ def _decode_from_qkv_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, MERGE_PADDED, True, k_first, v_first, PREFETCH, k_row, v_row)
+                      INTERPRET, MERGE, BLOCK_S, True, k_first, v_first, PREFETCH, k_row, v_row)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 

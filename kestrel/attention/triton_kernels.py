@@ -231,26 +231,6 @@ def _merge_splits(po_group, pl_group, out_group, used_splits, stride_po_h, strid
 
 
 @triton.jit
-def _merge_splits_padded(po_base, pl_base, used_splits, stride_po_split, row_mask, dims, dim_mask,
-                         BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
-    """The merge before session 10, over the 16 padded rows with a per-split column extraction; kept for one
-    A/B on the H200 (KESTREL_DECODE_MERGE_ROWS=padded), then the slower of the two goes."""
-    splits = tl.arange(0, BLOCK_S)
-    split_mask = splits < used_splits
-    lse = tl.load(pl_base[:, None] + splits[None, :], mask=row_mask[:, None] & split_mask[None, :],
-                  other=float("-inf"), cache_modifier=".cg")                     # [BLOCK_H, BLOCK_S]
-    m = tl.max(lse, 1)
-    weight = tl.exp2(lse - m[:, None])                                          # 0 for unused splits
-    acc = tl.zeros([BLOCK_H, BLOCK_D], tl.float32)
-    for sp in tl.static_range(BLOCK_S):
-        part = tl.load(po_base + sp * stride_po_split + dims[None, :],
-                       mask=row_mask[:, None] & dim_mask[None, :] & (sp < used_splits), other=0.0,
-                       cache_modifier=".cg")
-        acc += tl.sum(tl.where(splits[None, :] == sp, weight, 0.0), 1)[:, None] * part
-    return acc / tl.sum(weight, 1)[:, None]
-
-
-@triton.jit
 def _decode_split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
     """Split `split`'s slice [start, end) of a kv_len-token context, and how many splits are used (a prefix)."""
     per_split = tl.maximum(tl.cdiv(tl.cdiv(kv_len, num_splits), BLOCK_N) * BLOCK_N, BLOCK_N)
@@ -274,7 +254,7 @@ def _decode_split(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_PADDED: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     NEWEST_GIVEN: tl.constexpr,
     k_first, v_first, PREFETCHED: tl.constexpr, k_row, v_row,
 ):
@@ -345,17 +325,12 @@ def _decode_split(
             counter = counter_ptr + seq * stride_cnt_s + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
             if done == used_splits - 1:
-                if MERGE_PADDED:   # KESTREL_DECODE_MERGE_ROWS=padded (A/B)
-                    out = _merge_splits_padded(po_base, pl_base, used_splits, stride_po_split, row_mask, dims,
-                                               dim_mask, BLOCK_H, BLOCK_D, BLOCK_S)
-                    tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=out_mask)
-                else:
-                    head0 = kv_head * GROUP
-                    _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
-                                  part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
-                                  out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
-                                  stride_po_h, stride_po_split, stride_pl_h, stride_oh,
-                                  GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
+                head0 = kv_head * GROUP
+                _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
+                              part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
+                              out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
+                              stride_po_h, stride_po_split, stride_pl_h, stride_oh,
+                              GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
                 # Every split has counted, so nothing else touches the counter in this launch; the next
                 # launch is stream-ordered after this one.
                 tl.store(counter, 0)
@@ -389,7 +364,7 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, MERGE_PADDED: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
     USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
@@ -428,7 +403,7 @@ def _decode_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, MERGE_PADDED, False, k_first, v_first, PREFETCH, 0, 0)
+                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH, 0, 0)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
 
@@ -462,12 +437,6 @@ def merge_in_kernel() -> bool:
     """Where decode merges its splits: in the split launch (last program, atomics; default) or in a second
     launch. KESTREL_DECODE_MERGE=reduce picks the second (A/B on the GPU)."""
     return os.environ.get("KESTREL_DECODE_MERGE", "atomic") != "reduce"
-
-
-def merge_padded() -> bool:
-    """KESTREL_DECODE_MERGE_ROWS=padded: the in-launch merge of sessions 1-9, over the attention tiles' padded
-    rows (one A/B on the GPU, then the slower merge goes)."""
-    return os.environ.get("KESTREL_DECODE_MERGE_ROWS") == "padded"
 
 
 @functools.lru_cache(maxsize=None)
@@ -580,7 +549,7 @@ def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int) -> 
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits), MERGE_PADDED=merge_padded(),
+        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
 
