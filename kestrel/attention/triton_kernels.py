@@ -197,12 +197,11 @@ def _decode_tile(
 # acquire invalidating L1 for the threads that did not issue it.
 
 @triton.jit
-def _merge_splits(po_group, pl_group, out_group, used_splits, stride_po_h, stride_po_split, stride_pl_h,
-                  stride_oh, GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-                  BLOCK_S: tl.constexpr):
-    """Stores the softmax-weighted sum of splits 0 .. used_splits - 1 for the GROUP query heads of one kv head:
-    po_group, pl_group and out_group point at the group's first head in partial_out [head, split, D],
-    partial_lse [head, split] and out [head, D].
+def _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
+                  stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_os, stride_oh,
+                  GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_S: tl.constexpr):
+    """Stores into out the softmax-weighted sum of splits 0 .. used_splits - 1 of sequence seq's partials, for
+    the GROUP query heads of kv_head.
 
     One head at a time: its log-sum-exps are scalar loads (the same value in every thread), so the weights need
     no reduction across threads and no layout change, and the split loop is a multiply-add per element. Every
@@ -211,6 +210,10 @@ def _merge_splits(po_group, pl_group, out_group, used_splits, stride_po_h, strid
     the atomic on the Qwen3-0.6B shapes.) Loads bypass L1 (.cg): other SMs wrote these lines during this launch
     (memory ordering note above).
     """
+    head0 = kv_head * GROUP
+    po_group = part_out_ptr + seq * stride_po_s + head0 * stride_po_h
+    pl_group = part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h
+    out_group = out_ptr + seq * stride_os + head0 * stride_oh
     dims = tl.arange(0, BLOCK_D)
     dim_mask = dims < HEAD_DIM
     for g in tl.static_range(GROUP):
@@ -325,12 +328,9 @@ def _decode_split(
             counter = counter_ptr + seq * stride_cnt_s + kv_head
             done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
             if done == used_splits - 1:
-                head0 = kv_head * GROUP
-                _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
-                              part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
-                              out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
-                              stride_po_h, stride_po_split, stride_pl_h, stride_oh,
-                              GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
+                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
+                              stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
+                              stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
                 # Every split has counted, so nothing else touches the counter in this launch; the next
                 # launch is stream-ordered after this one.
                 tl.store(counter, 0)
@@ -425,11 +425,8 @@ def _decode_reduce_kernel(
     pdl_wait(USE_PDL)
     _, _, used_splits = _decode_split_range(tl.load(kv_lens_ptr + seq), 0, num_splits, BLOCK_N)
     if used_splits > 1:
-        head0 = kv_head * GROUP
-        _merge_splits(part_out_ptr + seq * stride_po_s + head0 * stride_po_h,
-                      part_lse_ptr + seq * stride_pl_s + head0 * stride_pl_h,
-                      out_ptr + seq * stride_os + head0 * stride_oh, used_splits,
-                      stride_po_h, stride_po_split, stride_pl_h, stride_oh,
+        _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
+                      stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_os, stride_oh,
                       GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
 
 
