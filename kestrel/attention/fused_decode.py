@@ -87,8 +87,8 @@ def _decode_from_qkv_kernel(
     HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)

@@ -257,8 +257,7 @@ def _decode_split(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    NEWEST_GIVEN: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, NEWEST_GIVEN: tl.constexpr,
     k_first, v_first, PREFETCHED: tl.constexpr, k_row, v_row,
 ):
     """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
@@ -364,8 +363,8 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
+    PREFETCH: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
