@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.roofline import decode_weight_bytes
+from benchmarks.roofline import decode_weight_bytes, weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
 from kestrel.engine.engine import Engine
@@ -94,7 +94,7 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
     runner = engine.runner
     results["attention_backend"] = runner.backend.name
-    results["weight_bytes"] = sum(p.numel() * p.element_size() for p in runner.model.parameters())
+    results["weight_bytes"] = weight_bytes(runner.model)
     results["decode_weight_bytes"] = decode_weight_bytes(runner.model)
     graphs = runner.graphs
     results["cuda_graph_memory_gib"] = graphs.memory_bytes / 2**30 if graphs else None

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.roofline import decode_weight_bytes
+from benchmarks.roofline import decode_weight_bytes, weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
@@ -188,7 +188,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
                                for k, c, t in table],
                    "exposed_us_per_step": sum(exposed_by_name.values()) / n_prof,
                    "kernels_by_slot": slot_table(events, n_prof, engine.runner.cfg.num_layers)})
-    result["weight_gb"] = sum(p.numel() * p.element_size() for p in engine.runner.model.parameters()) / 1e9
+    result["weight_gb"] = weight_bytes(engine.runner.model) / 1e9
     result["decode_weight_gb"] = decode_weight_bytes(engine.runner.model) / 1e9
     del engine
     torch.cuda.empty_cache()

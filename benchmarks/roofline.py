@@ -10,10 +10,15 @@ from __future__ import annotations
 from torch import nn
 
 
+def weight_bytes(model: nn.Module) -> int:
+    """Bytes of all the model's parameters, shared ones once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
 def decode_weight_bytes(model: nn.Module) -> int:
     """Bytes of weights one single-token decode step reads: all parameters (shared ones once), less the input
     embedding table when no other module reads it, plus the one row of it the token looks up."""
-    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    total = weight_bytes(model)
     embed = model.embed_tokens.weight
     lm_head = getattr(model, "lm_head", None)
     if lm_head is None or lm_head.weight is not embed:

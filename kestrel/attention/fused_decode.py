@@ -29,7 +29,8 @@ Switched on by KESTREL_FUSED_DECODE_PROLOGUE=1 (TritonAttentionBackend.decodes_f
 Attention.attend). History: the first version (session 4) wrote q and the new K/V to memory, then a CTA barrier,
 then read them back, with no prefetch; on the H200 it removed the 28 launches but the 0.6B step took 0.864 ms
 against 0.853 (+1%; predicted -7%): rotate -> write -> barrier -> attend ran in series inside each program. This
-version (session 9) keeps them in registers and prefetches like decode_attention; unmeasured (BENCHMARKS.md).
+version (session 9) keeps them in registers and prefetches like decode_attention; on the H200 (session 10) the
+0.6B step took +2.6% and the 8B's −0.7% (twice), so it stays off (BENCHMARKS.md).
 """
 from __future__ import annotations
 
