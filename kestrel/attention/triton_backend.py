@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention import fused_decode, triton_kernels
+from kestrel.attention import cluster_decode, fused_decode, triton_kernels
 from kestrel.attention.base import AttentionBackend
 from kestrel.engine.batch import ForwardBatch
 
@@ -19,6 +19,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     With KESTREL_FUSED_DECODE_PROLOGUE=1 (an experiment, off by default) decode steps of models with the fused
     attention prologue go through decode_from_qkv: prologue and decode attention in one launch (fused_decode.py).
+    With KESTREL_CLUSTER_DECODE=N (an experiment, off by default) small bf16 decode batches on Hopper go through
+    cluster_decode.py instead: CUDA C++ whose context splits of one kv head merge inside a thread-block cluster.
     """
 
     name = "triton"
@@ -43,6 +45,8 @@ class TritonAttentionBackend(AttentionBackend):
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             num_seqs, num_heads, head_dim = q.shape
+            if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
+                return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale)
             partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
             return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
                                                    partials=partials)

@@ -1,0 +1,101 @@
+"""Decode attention whose context splits merge inside a thread-block cluster (cluster_decode.cu; Hopper, bf16).
+
+The Triton decode kernel (triton_kernels.py) merges its splits through global memory. Its last split program
+pays for the partial stores, a release fence, the counter atomic and a round of L2 loads before the output
+exists. On the Qwen3-0.6B bs1 step that merge costs 2.25 us a layer (KESTREL_PROFILE_ABLATE=merge, session 10).
+Triton 3.6 cannot reach distributed shared memory, so this kernel is CUDA C++, compiled by NVRTC at first use
+(cuda_rtc.py) and launched with a cluster shape and PDL.
+
+KESTREL_CLUSTER_DECODE=N (N = 8 or 16 programs a kv head; 0 = off) picks it for decode batches with at most
+MAX_SEQS sequences. Other batches, dtypes and devices keep the Triton kernel.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import os
+from pathlib import Path
+
+import torch
+
+from kestrel.attention import cuda_rtc
+from kestrel.layers.pdl import pdl_enabled
+
+NUM_WARPS = 4
+PREFETCH = 8        # keys a slot reads before the PDL wait: 64 a program, 512 a kv head at 8 programs
+DIMS_PER_LANE = 8
+MAX_SEQS = 4        # beyond this the Triton kernel's grid already fills the GPU without a merge-heavy split
+SOURCE = Path(__file__).with_name("cluster_decode.cu")
+LOG2E = 1.4426950408889634
+
+
+def cluster_size() -> int:
+    """Programs a kv head from KESTREL_CLUSTER_DECODE (0: the kernel is off)."""
+    value = int(os.environ.get("KESTREL_CLUSTER_DECODE", "0"))
+    if value not in (0, 2, 4, 8, 16):
+        raise ValueError(f"KESTREL_CLUSTER_DECODE={value}: use 0 (off), 2, 4, 8 or 16")
+    return value
+
+
+def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int) -> bool:
+    """True when this kernel handles the decode launch: switched on, a Hopper GPU, bf16, a head size that
+    splits into 16-byte lane loads, 16-byte aligned rows, and a small batch."""
+    cluster = cluster_size()
+    if cluster == 0 or num_seqs > MAX_SEQS or q.device.type != "cuda":
+        return False
+    if torch.cuda.get_device_capability(q.device)[0] < 9:
+        return False
+    if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
+        return False
+    head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
+    if head_dim not in (64, 128, 256) or (group * head_dim) % cluster:
+        return False
+    aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k_cache, v_cache))
+    return aligned and cuda_rtc.nvrtc_available()
+
+
+def defines(group: int, head_dim: int, cluster: int, block_size: int) -> dict[str, int]:
+    return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=NUM_WARPS, PREFETCH=PREFETCH,
+                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE)
+
+
+def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90"
+                   ) -> cuda_rtc.Compiled:
+    return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch,
+                                  defines(group, head_dim, cluster, block_size))
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device_index: int, group: int, head_dim: int, cluster: int, block_size: int) -> cuda_rtc.Kernel:
+    major, minor = torch.cuda.get_device_capability(device_index)
+    compiled = compile_kernel(group, head_dim, cluster, block_size, f"sm_{major}{minor}")
+    return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device_index),
+                           non_portable_cluster=cluster > 8)
+
+
+def decode_attention(
+    q: torch.Tensor,             # [S, Hq, D] bf16, one query token per sequence
+    k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D] bf16
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,   # [S, max_blocks] int32
+    kv_lens: torch.Tensor,       # [S] int32 on the device; 0 for padded rows (output 0)
+    scale: float,
+    cluster: int | None = None,
+) -> torch.Tensor:
+    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold)."""
+    cluster = cluster or cluster_size()
+    num_seqs, num_heads, head_dim = q.shape
+    block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
+    out = torch.empty_like(q)
+    if num_seqs == 0:
+        return out
+    assert block_table.dtype == kv_lens.dtype == torch.int32, "block table and kv_lens are int32"
+    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
+    kernel = _kernel(device_index, num_heads // num_kv_heads, head_dim, cluster, block_size)
+    pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
+    strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
+               out.stride(0), out.stride(1)]
+    args = [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides]]
+    kernel.launch((num_kv_heads * cluster, num_seqs, 1), NUM_WARPS * 32, args, torch.cuda.current_stream(q.device),
+                  cluster=cluster, pdl=pdl_enabled(q.device))
+    return out

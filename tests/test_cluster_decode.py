@@ -1,0 +1,62 @@
+"""The cluster decode kernel's build, on CPU: NVRTC (the nvidia-cuda-nvrtc wheel, no GPU needed) compiles
+attention/cluster_decode.cu for Hopper at the real models' shapes, and its PTX keeps the ordering the kernel's PDL
+contract needs. Its numbers are checked on the GPU (tests/gpu/test_cluster_decode_gpu.py)."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from kestrel.attention import cluster_decode, cuda_rtc
+
+needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")
+
+
+def _loads(ptx: str) -> Counter:
+    return Counter(re.findall(r"\bld\.[\w.:]+", ptx))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("group,cluster", [(2, 8), (4, 8), (2, 16), (8, 2)])   # Qwen3-0.6B, Llama-3.1-8B, ...
+def test_the_kernel_builds_for_hopper_without_spills(group, cluster):
+    built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90")
+    assert built.spill_bytes() == 0, built.log
+    assert 0 < built.registers() <= 255, built.log
+    assert len(built.cubin) > 0
+
+
+@needs_nvrtc
+def test_kv_is_read_before_the_pdl_wait_and_the_merge_goes_through_peers_shared_memory():
+    group, cluster = 2, 8
+    ptx = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90").ptx
+    wait = ptx.index("griddepcontrol.wait")
+    before, after = _loads(ptx[:wait]), _loads(ptx[wait:])
+    # one 16-byte K and one V load per prefetched key (8 dims a lane at head_dim 128), issued before the wait
+    assert before["ld.global.v4.u32"] == 2 * cluster_decode.PREFETCH
+    # q and the caches are written by the kernel before this one while it runs: never the read-only path
+    assert not any(op.startswith("ld.global.nc.v4") for op in before + after)
+    # each output element reads m, l and acc from every program of the cluster
+    assert after["ld.shared::cluster.f32"] == 3 * cluster
+    assert ptx.count("barrier.cluster.arrive.release") == 2 and ptx.count("barrier.cluster.wait.acquire") == 2
+    assert ptx.index("griddepcontrol.launch_dependents") > wait
+    assert "atom." not in ptx and "membar" not in ptx and "fence" not in ptx
+
+
+@needs_nvrtc
+def test_a_compile_error_raises_with_nvrtc_log():
+    with pytest.raises(RuntimeError, match="not_a_type"):
+        cuda_rtc.compile_cubin("__global__ void k() { not_a_type x; }", "broken", "sm_90", {})
+
+
+def test_the_kernel_is_off_unless_switched_on_and_never_on_cpu(monkeypatch):
+    q = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
+    cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
+    monkeypatch.delenv("KESTREL_CLUSTER_DECODE", raising=False)
+    assert cluster_decode.cluster_size() == 0 and not cluster_decode.usable(q, cache, cache, 1)
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE", "8")
+    assert cluster_decode.cluster_size() == 8 and not cluster_decode.usable(q, cache, cache, 1)   # CPU tensors
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE", "3")
+    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE=3"):
+        cluster_decode.cluster_size()
