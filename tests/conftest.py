@@ -33,7 +33,7 @@ MODEL_TYPE = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "q
 
 
 def make_checkpoint(out: Path, arch: str = "llama", tie: bool = False, shard: bool = False, seed: int = 0,
-                    num_kv_heads: int = 2, vocab_size: int | None = None) -> Path:
+                    num_kv_heads: int = 2, vocab_size: int | None = None, head_dim: int = 16) -> Path:
     """Random-weight checkpoint + the default model's tokenizer (so prompts are real text)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -41,7 +41,7 @@ def make_checkpoint(out: Path, arch: str = "llama", tie: bool = False, shard: bo
     tokenizer = make_tokenizer()
     vocab = vocab_size or len(tokenizer)
     kwargs = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                  num_key_value_heads=num_kv_heads, head_dim=16, vocab_size=vocab, max_position_embeddings=256,
+                  num_key_value_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab, max_position_embeddings=256,
                   tie_word_embeddings=tie, rms_norm_eps=1e-5,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if arch == "qwen2":

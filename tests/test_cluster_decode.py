@@ -19,9 +19,9 @@ def _loads(ptx: str) -> Counter:
 
 
 @needs_nvrtc
-@pytest.mark.parametrize("group,cluster", [(2, 8), (4, 8), (2, 16), (8, 2)])   # Qwen3-0.6B, Llama-3.1-8B, ...
-def test_the_kernel_builds_for_hopper_without_spills(group, cluster):
-    built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90")
+@pytest.mark.parametrize("group,cluster,index64", [(2, 8, True), (4, 8, True), (2, 16, False), (8, 2, False)])
+def test_the_kernel_builds_for_hopper_without_spills(group, cluster, index64):   # Qwen3-0.6B, Llama-3.1-8B, ...
+    built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90", index64)
     assert built.spill_bytes() == 0, built.log
     assert 0 < built.registers() <= 255, built.log
     assert len(built.cubin) > 0

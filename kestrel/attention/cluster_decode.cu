@@ -6,7 +6,8 @@
 // every peer's shared memory (distributed shared memory): no global scratch, no atomics, no fence to L2.
 //
 // Compile-time parameters (-D): GROUP (query heads per kv head), HEAD_DIM, CLUSTER (programs per kv head),
-// NUM_WARPS, PREFETCH (keys per slot read before the PDL wait), BLOCK_SIZE (cache page), DIMS_PER_LANE (8 or 16).
+// NUM_WARPS, PREFETCH (keys per slot read before the PDL wait), BLOCK_SIZE (cache page), DIMS_PER_LANE (8 or 16),
+// INDEX64 (block table and kv_lens are int64, as in the CUDA-graph step's buffers; else int32).
 //
 // Grid (num_kv_heads * CLUSTER, num_seqs), clusters of (CLUSTER, 1, 1); program `rank` of a cluster owns keys
 // [rank * per, min((rank + 1) * per, kv_len)), per = cdiv(kv_len, CLUSTER). Inside a program:
@@ -32,6 +33,11 @@
 
 typedef unsigned int u32;
 typedef unsigned short bf16_t;
+#if INDEX64
+typedef long long index_t;
+#else
+typedef int index_t;
+#endif
 
 #define LANES_PER_KEY (HEAD_DIM / DIMS_PER_LANE)
 #define SLOTS_PER_WARP (32 / LANES_PER_KEY)
@@ -87,7 +93,7 @@ __device__ __forceinline__ void pdl_wait_then_signal() {
 }
 
 // K and V of the key at pos (this lane's dims) into k, v; zeros where !valid.
-__device__ __forceinline__ void load_key(const int* table, const bf16_t* k_head, const bf16_t* v_head,
+__device__ __forceinline__ void load_key(const index_t* table, const bf16_t* k_head, const bf16_t* v_head,
                                          long long stride_kb, long long stride_ko, long long stride_vb,
                                          long long stride_vo, int pos, bool valid, Row* k, Row* v) {
   if (valid) {
@@ -157,7 +163,7 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], c
 
 extern "C" __global__ void __launch_bounds__(THREADS)
 cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache,
-               const int* __restrict__ block_table, const int* __restrict__ kv_lens, bf16_t* out_ptr,
+               const index_t* __restrict__ block_table, const index_t* __restrict__ kv_lens, bf16_t* out_ptr,
                float scale_log2,
                long long stride_qs, long long stride_qh,
                long long stride_kb, long long stride_ko, long long stride_kh,
@@ -178,12 +184,12 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   const int dim0 = (lane % LANES_PER_KEY) * DIMS_PER_LANE;
 
   // Before the wait: this program's slice and the K/V of its first PREFETCH keys a slot, the newest key excepted.
-  const int kv_len = kv_lens[seq];
+  const int kv_len = (int)kv_lens[seq];
   const int per = (kv_len + CLUSTER - 1) / CLUSTER;
   const int start = rank * per;
   const int end = min(start + per, kv_len);
   const int newest = kv_len - 1;
-  const int* table = block_table + seq * stride_bt;
+  const index_t* table = block_table + seq * stride_bt;
   const bf16_t* k_head = k_cache + kv_head * stride_kh + dim0;
   const bf16_t* v_head = v_cache + kv_head * stride_vh + dim0;
   Row k[PREFETCH][ROWS], v[PREFETCH][ROWS];

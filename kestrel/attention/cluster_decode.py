@@ -54,21 +54,22 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_se
     return aligned and cuda_rtc.nvrtc_available()
 
 
-def defines(group: int, head_dim: int, cluster: int, block_size: int) -> dict[str, int]:
+def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool) -> dict[str, int]:
     return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=NUM_WARPS, PREFETCH=PREFETCH,
-                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE)
+                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE, INDEX64=int(index64))
 
 
-def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90"
-                   ) -> cuda_rtc.Compiled:
+def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",
+                   index64: bool = False) -> cuda_rtc.Compiled:
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch,
-                                  defines(group, head_dim, cluster, block_size))
+                                  defines(group, head_dim, cluster, block_size, index64))
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, group: int, head_dim: int, cluster: int, block_size: int) -> cuda_rtc.Kernel:
+def _kernel(device_index: int, group: int, head_dim: int, cluster: int, block_size: int,
+            index64: bool) -> cuda_rtc.Kernel:
     major, minor = torch.cuda.get_device_capability(device_index)
-    compiled = compile_kernel(group, head_dim, cluster, block_size, f"sm_{major}{minor}")
+    compiled = compile_kernel(group, head_dim, cluster, block_size, f"sm_{major}{minor}", index64)
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device_index),
                            non_portable_cluster=cluster > 8)
 
@@ -77,8 +78,8 @@ def decode_attention(
     q: torch.Tensor,             # [S, Hq, D] bf16, one query token per sequence
     k_cache: torch.Tensor,       # [num_blocks, block_size, Hkv, D] bf16
     v_cache: torch.Tensor,
-    block_table: torch.Tensor,   # [S, max_blocks] int32
-    kv_lens: torch.Tensor,       # [S] int32 on the device; 0 for padded rows (output 0)
+    block_table: torch.Tensor,   # [S, max_blocks] int32 or int64 (the graph step's buffers)
+    kv_lens: torch.Tensor,       # [S], the block table's dtype, on the device; 0 for padded rows (output 0)
     scale: float,
     cluster: int | None = None,
 ) -> torch.Tensor:
@@ -89,9 +90,11 @@ def decode_attention(
     out = torch.empty_like(q)
     if num_seqs == 0:
         return out
-    assert block_table.dtype == kv_lens.dtype == torch.int32, "block table and kv_lens are int32"
+    index64 = block_table.dtype == torch.int64
+    assert block_table.dtype == kv_lens.dtype and block_table.dtype in (torch.int32, torch.int64), \
+        f"block table {block_table.dtype} and kv_lens {kv_lens.dtype}: both int32 or both int64"
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    kernel = _kernel(device_index, num_heads // num_kv_heads, head_dim, cluster, block_size)
+    kernel = _kernel(device_index, num_heads // num_kv_heads, head_dim, cluster, block_size, index64)
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
     strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
                out.stride(0), out.stride(1)]
