@@ -96,7 +96,7 @@ def slot_table(events: list[tuple[str, float, float]], steps: int, num_layers: i
 
 def ablations(spec: str) -> list[tuple[object, str, object]]:
     """(module, attribute, stand-in) for each name in a comma-separated KESTREL_PROFILE_ABLATE spec."""
-    from kestrel.attention import triton_kernels
+    from kestrel.attention import cluster_decode, triton_kernels
     from kestrel.layers import attention_prologue, gemv
 
     plain_gemv = gemv.gemv
@@ -117,13 +117,21 @@ def ablations(spec: str) -> list[tuple[object, str, object]]:
     def no_merge(*args, **kwargs):
         return None
 
-    table = {"decode": [(triton_kernels, "decode_attention", decode_returns_q)],
+    cluster_defines = cluster_decode.defines
+
+    def cluster_defines_without_merge(*args, **kwargs):
+        return {**cluster_defines(*args, **kwargs), "MERGE": 0}
+
+    table = {"decode": [(triton_kernels, "decode_attention", decode_returns_q),
+                        (cluster_decode, "decode_attention", decode_returns_q)],
              "prologue": [(attention_prologue, "qk_norm_rope_store", prologue_returns_q)],
              "norm": [(gemv, "add_rms_norm_gemv", gemv_without_norm)],
              "silu": [(gemv, "silu_mul_gemv", gemv_without_silu)],
              # the split programs store their partials and stop: no counter atomic, no merge, no second launch
              "merge": [(triton_kernels, "merge_in_kernel", lambda: False),
-                       (triton_kernels, "decode_reduce", no_merge)]}
+                       (triton_kernels, "decode_reduce", no_merge)],
+             # the cluster kernel's programs each write their own partial: no cluster barrier, no peer reads
+             "cluster_merge": [(cluster_decode, "defines", cluster_defines_without_merge)]}
     names = [n for n in spec.split(",") if n]
     unknown = set(names) - set(table)
     if unknown:

@@ -52,11 +52,14 @@ def test_profile_ablations_stand_in_for_decode_attention_and_the_prologue():
     import torch
 
     from benchmarks.profile_decode import ablations
-    (decode_mod, decode_attr, decode), (prologue_mod, prologue_attr, prologue) = ablations("decode,prologue")
-    assert (decode_attr, prologue_attr) == ("decode_attention", "qk_norm_rope_store")
-    assert callable(getattr(decode_mod, decode_attr)) and callable(getattr(prologue_mod, prologue_attr))
+    from kestrel.attention import cluster_decode, triton_kernels
+    triton_decode, cluster, (prologue_mod, prologue_attr, prologue) = ablations("decode,prologue")
+    assert [p[:2] for p in (triton_decode, cluster)] == [(triton_kernels, "decode_attention"),
+                                                        (cluster_decode, "decode_attention")]
+    assert prologue_attr == "qk_norm_rope_store" and callable(getattr(prologue_mod, prologue_attr))
     q = torch.randn(3, 4, 8)
-    assert decode(q, None, None, None, None, 0.1, partials=None) is q
+    assert triton_decode[2](q, None, None, None, None, 0.1, partials=None) is q
+    assert cluster[2](q, None, None, None, None, 0.1) is q
     qkv = torch.randn(3, (4 + 2 * 2) * 8)
     got = prologue(qkv, None, None, 0.0, None, None, None, None, None, 4, 2, 8)
     assert got.shape == (3, 4, 8) and torch.equal(got.reshape(3, -1), qkv[:, :32])
@@ -98,3 +101,12 @@ def test_profile_ablation_of_the_decode_merge_leaves_the_partials_unmerged():
     assert merge_in_kernel() is False
     out = torch.zeros(1, 2, 8)
     assert decode_reduce(None, None, out, 4, {}, {}) is None and not out.any()
+
+
+def test_profile_ablation_of_the_cluster_merge_builds_the_kernel_without_it():
+    """`cluster_merge`: the cluster decode kernel is built with MERGE=0 (its programs never read a peer)."""
+    from benchmarks.profile_decode import ablations
+    from kestrel.attention import cluster_decode
+    [(mod, attr, defines)] = ablations("cluster_merge")
+    assert (mod, attr) == (cluster_decode, "defines")
+    assert defines(2, 128, 8, 16, False, 4) == {**cluster_decode.defines(2, 128, 8, 16, False, 4), "MERGE": 0}

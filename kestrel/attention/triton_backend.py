@@ -19,8 +19,8 @@ class TritonAttentionBackend(AttentionBackend):
 
     With KESTREL_FUSED_DECODE_PROLOGUE=1 (an experiment, off by default) decode steps of models with the fused
     attention prologue go through decode_from_qkv: prologue and decode attention in one launch (fused_decode.py).
-    With KESTREL_CLUSTER_DECODE=N (an experiment, off by default) small bf16 decode batches on Hopper go through
-    cluster_decode.py instead: CUDA C++ whose context splits of one kv head merge inside a thread-block cluster.
+    Small bf16 decode batches on Hopper go through cluster_decode.py instead (KESTREL_CLUSTER_DECODE=0 turns it
+    off): CUDA C++ whose context splits of one kv head merge inside a thread-block cluster, with no scratch.
     """
 
     name = "triton"
