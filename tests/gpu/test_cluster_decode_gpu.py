@@ -18,7 +18,7 @@ CASES = [  # (num_kv_heads, group, head_dim, block_size)
     (4, 1, 64, 2),
     (2, 8, 128, 16),
 ]
-KV_LENS = [1, 7, 0, 300, 511, 513, 700, 2049]   # < cluster, a padded row, the 512 keys read before the wait, more
+KV_LENS = [1, 7, 0, 300, 511, 513, 1100, 2049]   # < cluster, a padded row, past the keys read before the wait
 
 
 def _reference(q, k_cache, v_cache, table, lens):
