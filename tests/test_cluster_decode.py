@@ -23,6 +23,9 @@ def _loads(ptx: str) -> Counter:
 def test_the_kernel_builds_for_hopper_without_spills(group, cluster, index64):   # Qwen3-0.6B, Llama-3.1-8B, ...
     built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90", index64)
     assert built.spill_bytes() == 0, built.log
+    warps = cluster_decode.num_warps(group, 128)
+    assert f"{cluster_decode.shared_bytes(warps, group, 128)} bytes smem" in built.log
+    assert warps == (8 if group <= 4 else 4)
     assert 0 < built.registers() <= 255, built.log
     assert len(built.cubin) > 0
 
@@ -34,7 +37,7 @@ def test_kv_is_read_before_the_pdl_wait_and_the_merge_goes_through_peers_shared_
     wait = ptx.index("griddepcontrol.wait")
     before, after = _loads(ptx[:wait]), _loads(ptx[wait:])
     # one 16-byte K and one V load per prefetched key (8 dims a lane at head_dim 128), issued before the wait
-    assert before["ld.global.v4.u32"] == 2 * cluster_decode.PREFETCH
+    assert before["ld.global.v4.u32"] == 2 * cluster_decode.prefetch(group) == 2 * cluster_decode.PREFETCH
     # q and the caches are written by the kernel before this one while it runs: never the read-only path
     assert not any(op.startswith("ld.global.nc.v4") for op in before + after)
     # each output element reads m, l and acc from every program of the cluster

@@ -25,7 +25,8 @@ from kestrel.attention import cuda_rtc
 from kestrel.layers.pdl import pdl_enabled
 
 log = logging.getLogger(__name__)
-PREFETCH = 8        # keys a slot reads before the PDL wait: 128 a program of 8 warps, 1,024 a kv head at 8 programs
+PREFETCH = 8        # keys a slot reads before the PDL wait (groups up to 4): 128 a program of 8 warps, 1,024 a kv
+                    # head at 8 programs; halved per doubling of the group past 4, so registers do not spill
 DIMS_PER_LANE = 8
 MAX_SEQS = 4        # beyond this the Triton kernel's grid already fills the GPU without a merge-heavy split
 SOURCE = Path(__file__).with_name("cluster_decode.cu")
@@ -42,7 +43,7 @@ def cluster_size() -> int:
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int) -> bool:
     """True when this kernel handles the decode launch: switched on, a Hopper GPU, bf16, a head size that
-    splits into 16-byte lane loads, 16-byte aligned rows, and a small batch."""
+    splits into 16-byte lane loads, at most 8 query heads a kv head, 16-byte aligned rows, and a small batch."""
     cluster = cluster_size()
     if cluster == 0 or num_seqs > MAX_SEQS or q.device.type != "cuda":
         return False
@@ -51,7 +52,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_se
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
         return False
     head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
-    if head_dim not in (64, 128, 256) or (group * head_dim) % cluster:
+    if head_dim not in (64, 128, 256) or group > 8 or (group * head_dim) % cluster:   # > 8: q and acc spill
         return False
     aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k_cache, v_cache))
     return aligned and _builds(q.device.index if q.device.index is not None else torch.cuda.current_device(),
@@ -64,26 +65,42 @@ def _builds(device_index: int, group: int, head_dim: int, cluster: int, block_si
     kernel."""
     try:   # both index widths now, so that no build happens later inside a CUDA-graph capture
         for index64 in (False, True):
-            _kernel(device_index, group, head_dim, cluster, block_size, index64, num_warps())
+            _kernel(device_index, group, head_dim, cluster, block_size, index64, num_warps(group, head_dim))
         return True
     except (OSError, RuntimeError) as error:
         log.warning("cluster decode kernel unavailable, decode stays on the Triton kernel: %s", error)
         return False
 
 
-def num_warps() -> int:
-    """Warps a program (KESTREL_CLUSTER_DECODE_WARPS, default 8: 16 slots of 16 lanes at head_dim 128, 128 keys
-    read before the wait; on the Qwen3-0.6B bs1 step 8 warps measured -0.9% against 4, 2 warps +5.6%)."""
-    return int(os.environ.get("KESTREL_CLUSTER_DECODE_WARPS", "8"))
+def num_warps(group: int, head_dim: int) -> int:
+    """Warps a program: KESTREL_CLUSTER_DECODE_WARPS (default 8: 16 slots of 16 lanes at head_dim 128, 128 keys
+    read before the wait; on the Qwen3-0.6B bs1 step 8 warps measured -0.9% against 4, 2 warps +5.6%), halved
+    until the slots' partials fit the 48 KB of static shared memory (groups of 8 and more)."""
+    warps = int(os.environ.get("KESTREL_CLUSTER_DECODE_WARPS", "8"))
+    while warps > 1 and shared_bytes(warps, group, head_dim) > 48 * 1024:
+        warps //= 2
+    return warps
+
+
+def prefetch(group: int) -> int:
+    """Keys a slot holds at a time (read before the wait, then per chunk): PREFETCH, less for groups past 4."""
+    return max(2, min(PREFETCH, 32 // group))
+
+
+def shared_bytes(warps: int, group: int, head_dim: int) -> int:
+    """The kernel's static shared memory: each slot's acc, m and l, and the program's (fp32)."""
+    slots = warps * 32 // (head_dim // DIMS_PER_LANE)
+    return 4 * group * (head_dim + 2) * (slots + 1)
 
 
 def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int) -> dict[str, int]:
-    return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, PREFETCH=PREFETCH,
+    return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, PREFETCH=prefetch(group),
                 BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE, INDEX64=int(index64))
 
 
 def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",
-                   index64: bool = False, warps: int = 8) -> cuda_rtc.Compiled:
+                   index64: bool = False, warps: int | None = None) -> cuda_rtc.Compiled:
+    warps = warps or num_warps(group, head_dim)
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch,
                                   defines(group, head_dim, cluster, block_size, index64, warps))
 
@@ -117,7 +134,7 @@ def decode_attention(
     assert block_table.dtype == kv_lens.dtype and block_table.dtype in (torch.int32, torch.int64), \
         f"block table {block_table.dtype} and kv_lens {kv_lens.dtype}: both int32 or both int64"
     device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    warps = num_warps()
+    warps = num_warps(num_heads // num_kv_heads, head_dim)
     kernel = _kernel(device_index, num_heads // num_kv_heads, head_dim, cluster, block_size, index64, warps)
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
     strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
