@@ -76,8 +76,12 @@ if [[ $STAGES == *" profile "* ]]; then
   # the 8B's noise: the column knob is removed. The one-pass add-RMSNorm is the default (-1.8%; A/B
   # KESTREL_GEMV_ONE_PASS_NORM=0); the decode merge by query head with scalar log-sum-exp loads replaced the
   # merge over the 16 padded rows (-2.2%; the old merge is removed).
+  # Session 11: the cluster decode kernel (KESTREL_CLUSTER_DECODE=8, CUDA C++) is the default: the Triton kernel
+  # measured +3.9% / +5.2% (0.6B) and +2.2% / -0.4% / +0.6% (8B) against it; 16 programs a kv head -2.0% against
+  # the Triton kernel (worse than 8); 8 warps a program -0.9% against 4, 2 warps +5.6%.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
-  # =merge time the step with that work taken out (garbage tokens), to see what the rest costs without it.
+  # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
+  # out (garbage tokens), to see what the rest costs without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list
   # re-measures the reference points: the fused argmax off on both models, 16-key decode tiles (-0.4%, within
   # noise) and the prologue's rotary loads before its wait (-0.5% in session 6).
