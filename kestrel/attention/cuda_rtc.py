@@ -128,12 +128,26 @@ def _check(status: int, what: str) -> None:
         raise RuntimeError(f"{what} failed: CUDA error {status} ({(text.value or b'?').decode()})")
 
 
+def _make_primary_context_current(device_index: int) -> None:
+    """The module must load into the context torch launches in: the device's primary context. A thread that has
+    not touched the device through the runtime yet has no current context, so set it (no sync: this may run
+    while a stream is capturing)."""
+    current = ctypes.c_void_p()
+    _check(_driver().cuCtxGetCurrent(ctypes.byref(current)), "cuCtxGetCurrent")
+    if current.value:
+        return
+    device, context = ctypes.c_int(), ctypes.c_void_p()
+    _check(_driver().cuDeviceGet(ctypes.byref(device), device_index), "cuDeviceGet")
+    _check(_driver().cuDevicePrimaryCtxRetain(ctypes.byref(context), device), "cuDevicePrimaryCtxRetain")
+    _check(_driver().cuCtxSetCurrent(context), "cuCtxSetCurrent")
+
+
 class Kernel:
     """A loaded kernel (in the device's primary context, the one torch uses) and its launch."""
 
     def __init__(self, compiled: Compiled, name: str, device: torch.device, non_portable_cluster: bool = False):
         with torch.cuda.device(device):
-            torch.cuda.current_stream(device)   # makes torch's (primary) context current on this thread
+            _make_primary_context_current(device.index)
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
             _check(_driver().cuModuleLoadData(ctypes.byref(module), compiled.cubin), "cuModuleLoadData")
             _check(_driver().cuModuleGetFunction(ctypes.byref(function), module, name.encode()),
