@@ -24,3 +24,16 @@ def switch_keeps_tokens(checkpoint_factory, monkeypatch, arch: str | None, switc
     kw = {"dtype": "bfloat16"} if arch else {}
     on = greedy_tokens(path, monkeypatch, {switch: "1"}, max_tokens=48, **kw)
     return on == greedy_tokens(path, monkeypatch, {switch: "0"}, max_tokens=48, **kw)
+
+
+def routed_tokens_on_and_off(path: str, monkeypatch, module, function: str, switch: str, on: str, off: str,
+                             **kw) -> tuple[list[list[int]], list[list[int]]]:
+    """Greedy tokens with env `switch` at `on` and at `off`; asserts that with it on, decode went through
+    module.function (counted by a wrapper installed for the `on` run)."""
+    tokens_off = greedy_tokens(path, monkeypatch, {switch: off}, **kw)
+    calls = []
+    launch = getattr(module, function)
+    monkeypatch.setattr(module, function, lambda *a, **k: calls.append(1) or launch(*a, **k))
+    tokens_on = greedy_tokens(path, monkeypatch, {switch: on}, **kw)
+    assert calls, f"{switch}={on} did not route decode through {module.__name__}.{function}"
+    return tokens_on, tokens_off

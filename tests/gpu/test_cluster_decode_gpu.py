@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import greedy_tokens
+from tests.gpu.engine_tokens import routed_tokens_on_and_off
 from tests.test_triton_kernels import TOLERANCE, random_paged_cache, start_locs
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -83,13 +83,9 @@ def test_engine_tokens_with_the_kernel_on_and_off(checkpoint_factory, monkeypatc
     greedy tokens (bf16 near-ties aside)."""
     from kestrel.attention import cluster_decode
     path = str(checkpoint_factory(arch, head_dim=64))
-    kw = dict(dtype="bfloat16", attention_backend="triton")
-    off = greedy_tokens(path, monkeypatch, {"KESTREL_CLUSTER_DECODE": "0"}, **kw)
-    calls = []
-    launch = cluster_decode.decode_attention
-    monkeypatch.setattr(cluster_decode, "decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    on = greedy_tokens(path, monkeypatch, {"KESTREL_CLUSTER_DECODE": "8"}, **kw)
-    assert calls, "KESTREL_CLUSTER_DECODE=8 did not route decode through the cluster kernel"
+    on, off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention",
+                                       "KESTREL_CLUSTER_DECODE", "8", "0", dtype="bfloat16",
+                                       attention_backend="triton")
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"cluster decode {arch}: {same:.1%} of greedy tokens identical")
     assert same > 0.5

@@ -11,7 +11,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import greedy_tokens
+from tests.gpu.engine_tokens import routed_tokens_on_and_off
 from tests.test_attention_prologue import assert_close
 from tests.test_fused_decode import decode_inputs, one_launch, two_launches
 from tests.test_triton_kernels import TOLERANCE
@@ -107,11 +107,7 @@ def test_engine_tokens_identical_with_the_flag_on_and_off(checkpoint_factory, mo
     """fp32 random checkpoints with decode graphs: the one-launch path must not move a greedy token."""
     from kestrel.attention import fused_decode
     path = str(checkpoint_factory(arch))
-    kw = dict(dtype="float32", attention_backend="triton")
-    off = greedy_tokens(path, monkeypatch, {"KESTREL_FUSED_DECODE_PROLOGUE": "0"}, **kw)
-    calls = []
-    launch = fused_decode.decode_attention_from_qkv
-    monkeypatch.setattr(fused_decode, "decode_attention_from_qkv", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    on = greedy_tokens(path, monkeypatch, {"KESTREL_FUSED_DECODE_PROLOGUE": "1"}, **kw)
-    assert calls, "the flag did not route decode through decode_attention_from_qkv"
+    on, off = routed_tokens_on_and_off(path, monkeypatch, fused_decode, "decode_attention_from_qkv",
+                                       "KESTREL_FUSED_DECODE_PROLOGUE", "1", "0", dtype="float32",
+                                       attention_backend="triton")
     assert on == off
