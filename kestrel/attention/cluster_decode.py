@@ -23,7 +23,8 @@ from pathlib import Path
 import torch
 
 from kestrel.attention import cuda_rtc
-from kestrel.layers.pdl import pdl_enabled
+from kestrel.attention.triton_kernels import LOG2E
+from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
 
 log = logging.getLogger(__name__)
 PREFETCH = 8        # keys a slot reads before the PDL wait (groups up to 4): 128 a program of 8 warps, 1,024 a kv
@@ -31,7 +32,6 @@ PREFETCH = 8        # keys a slot reads before the PDL wait (groups up to 4): 12
 DIMS_PER_LANE = 8
 MAX_SEQS = 4        # measured at bs1 only; the Triton kernel keeps larger batches, whose grids fill the GPU anyway
 SOURCE = Path(__file__).with_name("cluster_decode.cu")
-LOG2E = 1.4426950408889634
 
 
 def cluster_size() -> int:
@@ -48,7 +48,7 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_se
     cluster = cluster_size()
     if cluster == 0 or num_seqs > MAX_SEQS or q.device.type != "cuda":
         return False
-    if torch.cuda.get_device_capability(q.device)[0] < 9:
+    if not hopper_or_later(device_index(q.device)):
         return False
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
         return False
@@ -56,17 +56,16 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_se
     if head_dim not in (64, 128, 256) or group > 8 or (group * head_dim) % cluster:   # > 8: q and acc spill
         return False
     aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k_cache, v_cache))
-    return aligned and _builds(q.device.index if q.device.index is not None else torch.cuda.current_device(),
-                               group, head_dim, cluster, k_cache.shape[1])
+    return aligned and _builds(device_index(q.device), group, head_dim, cluster, k_cache.shape[1])
 
 
 @functools.lru_cache(maxsize=None)
-def _builds(device_index: int, group: int, head_dim: int, cluster: int, block_size: int) -> bool:
+def _builds(device: int, group: int, head_dim: int, cluster: int, block_size: int) -> bool:
     """Whether the kernel builds and loads here (once per shape); if not, say why once and keep the Triton
     kernel."""
     try:   # both index widths now, so that no build happens later inside a CUDA-graph capture
         for index64 in (False, True):
-            _kernel(device_index, group, head_dim, cluster, block_size, index64, num_warps(group, head_dim))
+            _kernel(device, group, head_dim, cluster, block_size, index64, num_warps(group, head_dim))
         return True
     except (OSError, RuntimeError) as error:
         log.warning("cluster decode kernel unavailable, decode stays on the Triton kernel: %s", error)
@@ -107,11 +106,11 @@ def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arc
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device_index: int, group: int, head_dim: int, cluster: int, block_size: int,
+def _kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
             index64: bool, warps: int) -> cuda_rtc.Kernel:
-    major, minor = torch.cuda.get_device_capability(device_index)
+    major, minor = torch.cuda.get_device_capability(device)
     compiled = compile_kernel(group, head_dim, cluster, block_size, f"sm_{major}{minor}", index64, warps)
-    return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device_index),
+    return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device),
                            non_portable_cluster=cluster > 8)
 
 
@@ -134,9 +133,9 @@ def decode_attention(
     index64 = block_table.dtype == torch.int64
     assert block_table.dtype == kv_lens.dtype and block_table.dtype in (torch.int32, torch.int64), \
         f"block table {block_table.dtype} and kv_lens {kv_lens.dtype}: both int32 or both int64"
-    device_index = q.device.index if q.device.index is not None else torch.cuda.current_device()
-    warps = num_warps(num_heads // num_kv_heads, head_dim)
-    kernel = _kernel(device_index, num_heads // num_kv_heads, head_dim, cluster, block_size, index64, warps)
+    group = num_heads // num_kv_heads
+    warps = num_warps(group, head_dim)
+    kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64, warps)
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
     strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
                out.stride(0), out.stride(1)]

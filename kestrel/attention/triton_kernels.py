@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.layers.pdl import device_index, launch_options, pdl_wait
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
@@ -436,8 +436,8 @@ def merge_in_kernel() -> bool:
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device_index: int) -> int:
-    return torch.cuda.get_device_properties(device_index).multi_processor_count
+def _num_sms(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -446,7 +446,7 @@ def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, devic
     Enough programs to fill the GPU about twice over, but no split shorter than MIN_TOKENS_PER_SPLIT of the
     table's capacity (max_context = max_blocks * block_size).
     """
-    sms = _num_sms(device.index if device.index is not None else torch.cuda.current_device()) \
+    sms = _num_sms(device_index(device)) \
         if device.type == "cuda" else 8
     for_occupancy = triton.cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
     for_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)

@@ -32,11 +32,17 @@ def pdl_enabled(device: torch.device) -> bool:
     """PDL on a CUDA device of compute capability >= 9.0, unless KESTREL_PDL=0 or under Triton's interpreter."""
     if os.environ.get("KESTREL_PDL", "1") == "0" or device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
-    return _hopper_or_later(device.index if device.index is not None else torch.cuda.current_device())
+    return hopper_or_later(device_index(device))
+
+
+def device_index(device: torch.device) -> int:
+    """The CUDA device's index ("cuda" alone means the current device)."""
+    return device.index if device.index is not None else torch.cuda.current_device()
 
 
 @functools.lru_cache(maxsize=None)
-def _hopper_or_later(device_index: int) -> bool:
+def hopper_or_later(device_index: int) -> bool:
+    """Compute capability >= 9.0: PDL, thread-block clusters (attention/cluster_decode.py)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
