@@ -159,6 +159,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
     result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
               "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0",
               "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
+              "cuda_gemv": os.environ.get("KESTREL_CUDA_GEMV", "0"),
               "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", "")}
     if graphs is None:
         return result

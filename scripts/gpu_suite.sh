@@ -21,6 +21,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 # STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
 #   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
 #   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
+#   cudagemv: the CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)
 #   boundary: a dependent chain of phases: kernel boundaries vs grid barriers, and weights streamed ahead (benchmarks/boundary_bench.py)
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
@@ -49,6 +50,10 @@ fi
 if [[ $STAGES == *" boundary "* ]]; then
   step "a kernel boundary vs an in-kernel grid barrier, per dependent phase (benchmarks/boundary_bench.py)"
   timeout ${BOUNDARY_TIMEOUT:-240} python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" ${BOUNDARY_ARGS:-} 2>> "$LOG" | tee -a "$LOG"
+fi
+if [[ $STAGES == *" cudagemv "* ]]; then
+  step "CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)"
+  timeout ${CUDA_GEMV_TIMEOUT:-180} python3 -m benchmarks.cuda_gemv_bench --out "$OUT/cuda_gemv.json" 2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then

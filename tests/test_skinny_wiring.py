@@ -9,7 +9,8 @@ import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
 from kestrel.layers.norm import rms_norm_torch
-from kestrel.layers.skinny import SkinnyMatmuls
+from kestrel.layers.cuda_gemv import add_rms_norm_gemv_silu_ref
+from kestrel.layers.skinny import CudaSkinny, SkinnyMatmuls
 from kestrel.models.llama import DecoderLayer
 
 
@@ -24,7 +25,7 @@ def _silu_mul_linear(gate_up, w, bias=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-@pytest.mark.parametrize("choice", ["all", "none", "mixed"])
+@pytest.mark.parametrize("choice", ["all", "none", "mixed", "cuda"])
 def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     path = str(checkpoint_factory(arch))
     prompts = ["def f(x):", "import os\nimport sys", "x"]
@@ -32,10 +33,16 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     plain = LLM(model=path, device="cpu")
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     ref_logits = plain.engine.prompt_logits([5, 6, 7])
-    use = {"all": lambda m, n, k: True, "none": lambda m, n, k: False, "mixed": lambda m, n, k: n > k}[choice]
+    use = {"all": lambda m, n, k: True, "none": lambda m, n, k: False, "mixed": lambda m, n, k: n > k,
+           "cuda": lambda m, n, k: False}[choice]
     calls = []
+    # "cuda": every matmul through the CudaSkinny slots (SiLU-mul folded into gate_up, down a plain matmul)
+    cuda = CudaSkinny(gemv=lambda x, w, b=None: calls.append("cuda") or F.linear(x, w, b),
+                      add_rms_norm_gemv=_add_rms_norm_linear, add_rms_norm_gemv_silu=add_rms_norm_gemv_silu_ref,
+                      use=lambda x, w, norm: True) if choice == "cuda" else None
     skinny = SkinnyMatmuls(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
-                           add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use)
+                           add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use,
+                           cuda=cuda)
     llm = LLM(model=path, device="cpu")
     for module in llm.engine.runner.model.modules():
         if isinstance(module, DecoderLayer):
@@ -43,7 +50,8 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]   # decode steps: 3 rows, skinny
     assert got == expected
     torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
-    assert bool(calls) == (choice == "all")   # o_proj is square-ish: only "all" sends it to gemv
+    # o_proj is square-ish: only "all" sends it to gemv; "cuda" sends o_proj and down_proj to its gemv
+    assert set(calls) == {"all": {"gemv"}, "cuda": {"cuda"}}.get(choice, set())
 
 
 @pytest.mark.parametrize("cap_mb,triton_for_8b_qkv", [(None, False), ("64", True)])
@@ -59,3 +67,14 @@ def test_skinny_weight_cap_follows_the_env(monkeypatch, cap_mb, triton_for_8b_qk
     assert policy(1, 6144, 4096) is triton_for_8b_qkv
     assert policy(1, 28672, 4096) is False
     assert policy(1, 4096, 1024) is True   # Qwen3-0.6B qkv (8 MB): Triton either way
+
+
+def test_cuda_skinny_policy(monkeypatch):
+    """KESTREL_CUDA_GEMV: 0 (the default) builds nothing; auto / all take weights above the Triton cap / any
+    weight, never on CPU (the kernels need a Hopper GPU); other values are refused."""
+    from kestrel.engine.fast_path import cuda_skinny
+    assert cuda_skinny("0", 16 << 20) is None
+    with pytest.raises(ValueError, match="KESTREL_CUDA_GEMV"):
+        cuda_skinny("yes", 16 << 20)
+    x, w = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
+    assert cuda_skinny("all", 16 << 20).use(x, w, True) is False

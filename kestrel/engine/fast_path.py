@@ -6,7 +6,8 @@ where the backend supports it (measured on the H200: bs1 decode step -3.7% on th
 Llama-3.1-8B shape); KESTREL_FUSED_ATTN_PROLOGUE=0 turns that off.
 Decode-sized batches (<= 16 rows) run each layer's matmuls through layers/skinny.py: Triton kernels that fold the
 norms and SiLU-mul in, for the weight shapes where they beat cuBLAS (`skinny_policy`); KESTREL_SKINNY_MATMUL=0
-turns that off, =all sends every shape to Triton (for A/B runs).
+turns that off, =all sends every shape to Triton (for A/B runs). Weights past the Triton range go to the CUDA C++
+kernels of layers/cuda_gemv.py where KESTREL_CUDA_GEMV (`cuda_skinny`) lets them.
 """
 from __future__ import annotations
 
@@ -99,4 +100,27 @@ def skinny_matmuls(mode: str = "auto"):
     policy = (lambda rows, n, k: True) if mode == "all" else \
         (lambda rows, n, k: skinny_policy(rows, n, k, max_weight_bytes=cap))
     return SkinnyMatmuls(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
-                         silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy)
+                         silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy,
+                         cuda=cuda_skinny(os.environ.get("KESTREL_CUDA_GEMV", "0"), cap))
+
+
+def cuda_skinny(mode: str, triton_cap: int):
+    """The CUDA C++ skinny matmuls (layers/cuda_gemv.py) for weights above the Triton kernels' cap (`auto`), every
+    weight they can serve (`all`), or none (`0`). KESTREL_CUDA_GEMV_MAX_MB caps the weights they take (A/B: 50 keeps
+    the 8B's gate_up and down on cuBLAS)."""
+    if mode == "0":
+        return None
+    if mode not in ("auto", "all"):
+        raise ValueError(f"KESTREL_CUDA_GEMV={mode}: use 0, auto or all")
+    from kestrel.layers import cuda_gemv
+    from kestrel.layers.skinny import CudaSkinny
+
+    low = 0 if mode == "all" else triton_cap
+    mb = os.environ.get("KESTREL_CUDA_GEMV_MAX_MB")
+    high = int(mb) << 20 if mb else 1 << 62
+
+    def use(x, weight, norm: bool) -> bool:
+        return low < weight.numel() * weight.element_size() <= high and cuda_gemv.usable(x, weight, norm)
+
+    return CudaSkinny(gemv=cuda_gemv.gemv, add_rms_norm_gemv=cuda_gemv.add_rms_norm_gemv,
+                      add_rms_norm_gemv_silu=cuda_gemv.add_rms_norm_gemv_silu, use=use)

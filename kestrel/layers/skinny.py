@@ -12,6 +12,10 @@ layers/gemv.py read the weight once and fold those ops in:
 `use_triton(rows, out_features, in_features)` says per batch size and weight shape whether that beats norm kernel + cuBLAS (measured
 on the GPU, benchmarks/gemv_bench.py); where it does not, the unfused ops run, so the choice never changes
 results beyond bf16 rounding order inside a dot product.
+
+`cuda` (optional, layers/cuda_gemv.py) takes the weights its `use(x, weight)` picks first: CUDA C++ kernels for
+weights past the Triton kernels' range, the same folds, and SiLU-mul folded into gate_up's output instead of down's
+input (`mlp`), so down_proj is a plain matmul there.
 """
 from __future__ import annotations
 
@@ -23,28 +27,54 @@ from torch import nn
 
 
 @dataclass(frozen=True)
+class CudaSkinny:
+    gemv: Callable[..., torch.Tensor]
+    add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    add_rms_norm_gemv_silu: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    use: Callable[[torch.Tensor, torch.Tensor, bool], bool]    # (x, weight, norm folded in) -> this kernel runs it
+
+
+@dataclass(frozen=True)
 class SkinnyMatmuls:
     max_rows: int                                   # batches with more rows take the usual path
     gemv: Callable[..., torch.Tensor]               # (x, w, bias) -> x @ w.T
     add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_mul_gemv: Callable[..., torch.Tensor]
     use_triton: Callable[[int, int, int], bool]
+    cuda: CudaSkinny | None = None
+
+    def _cuda(self, x: torch.Tensor, linear: nn.Module, norm: bool = False) -> bool:
+        return self.cuda is not None and self.cuda.use(x, linear.weight, norm)
 
     def _triton(self, x: torch.Tensor, linear: nn.Module) -> bool:
         return self.use_triton(x.shape[0], *linear.weight.shape)
 
     def linear(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
+        if self._cuda(x, linear):
+            return self.cuda.gemv(x, linear.weight, linear.bias)
         return self.gemv(x, linear.weight, linear.bias) if self._triton(x, linear) else linear(x)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """(linear(norm(x + residual)), x + residual); residual None means x is the residual stream."""
+        if self._cuda(x, linear, norm=True):
+            return self.cuda.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
         if self._triton(x, linear):
             return self.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, linear.weight, linear.bias)
         if residual is None:
             return linear(norm(x)), x
         hidden, residual = norm(x, residual)
         return linear(hidden), residual
+
+    def mlp(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gate_up: nn.Module,
+            down: nn.Module, silu_and_mul: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down(silu_mul(gate_up(norm(x + residual)))), x + residual)."""
+        if self._cuda(x, gate_up, norm=True):
+            act, residual = self.cuda.add_rms_norm_gemv_silu(x, residual, norm.weight, norm.eps, gate_up.weight,
+                                                             gate_up.bias)
+            return self.linear(act, down), residual
+        hidden, residual = self.norm_linear(x, residual, norm, gate_up)
+        return self.silu_linear(hidden, down, silu_and_mul), residual
 
     def silu_linear(self, gate_up: torch.Tensor, linear: nn.Module, silu_and_mul: Callable | None = None
                     ) -> torch.Tensor:

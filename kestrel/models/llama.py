@@ -109,8 +109,8 @@ class DecoderLayer(nn.Module):
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
         hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
-        gate_up, residual = sk.norm_linear(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj)
-        return sk.silu_linear(gate_up, mlp.down_proj, mlp.silu_and_mul), residual
+        return sk.mlp(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
+                      mlp.silu_and_mul)
 
 
 class LlamaForCausalLM(nn.Module):

@@ -1,0 +1,162 @@
+"""Skinny matmuls in CUDA C++ (skinny_gemv.cu) for weights too large for the Triton kernels of gemv.py.
+
+At one to four rows a matmul is a weight read. On the Llama-3.1-8B's bs1 step cuBLAS streams qkv and o_proj at
+~72% of copy bandwidth plus a split-K reduce kernel each, and the RMSNorms and the SiLU-mul are kernels of their own
+(BENCHMARKS.md, session 9); the Triton skinny kernel lost to cuBLAS there. This kernel gives each weight row to one
+warp, issues its first loads before the PDL wait, and folds the ops around the matmul in:
+
+    add + RMSNorm -> qkv_proj                        add_rms_norm_gemv
+    o_proj, down_proj                                gemv
+    add + RMSNorm -> gate_up_proj -> SiLU-mul        add_rms_norm_gemv_silu (gate and up rows of one output in
+                                                     one warp, so down_proj reads the activation directly)
+
+Numerics are those of gemv.py's references (fp32 accumulation, the same bf16 roundings); the sum order differs,
+so outputs match the references to about an ulp. Hopper and bf16 only (`usable`); NVRTC compiles each shape at
+first use, which the CUDA-graph warm-up does before capture.
+"""
+from __future__ import annotations
+
+import ctypes
+import functools
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from kestrel.attention import cuda_rtc
+from kestrel.layers.gemv import add_rms_norm_gemv_ref
+from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
+
+SOURCE = Path(__file__).with_name("skinny_gemv.cu")
+MAX_M = 4                   # rows of x served; M_TILE builds 1, 2 and 4
+WARPS = 8
+LOADS_PER_LANE = 16         # 16-byte weight loads a lane keeps in flight per step (64 registers); 8 for 2-4 rows
+                            # of x, whose activation loads would otherwise spill under 128 registers
+BLOCKS_PER_SM = 2           # __launch_bounds__(256, 2)
+NORM_SHARED_BYTES = 48 * 1024   # the staged activation [M_TILE, K] bf16 must fit static shared memory
+
+
+@dataclass(frozen=True)
+class CudaGemvConfig:
+    rows: int               # output rows a warp owns (SILU: and as many up rows)
+    u: int                  # 16-byte loads a lane per weight row per step: a step covers 256 * u of K
+    warps: int = WARPS
+
+
+def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_tile: int = 1) -> CudaGemvConfig:
+    """Rows a warp such that the grid fills whole waves of resident blocks (every block streams the same bytes,
+    so a half-empty last wave idles half the GPU), then the widest step within LOADS_PER_LANE loads.
+
+    H200 (132 SMs, 264 resident blocks), 8B shapes: qkv N=6144 -> 3 rows (256 blocks); o_proj N=4096 -> 2 rows
+    (256); gate_up N=14336 with SiLU -> 1 row + its up row (1,792 blocks, 6.8 waves); down N=4096 K=14336 -> 2 rows.
+    """
+    halves = 2 if silu else 1
+    capacity = sm_count * BLOCKS_PER_SM
+
+    def fill(rows: int) -> float:
+        waves = math.ceil(n / (WARPS * rows)) / capacity
+        return waves / math.ceil(waves)
+
+    rows = max((r for r in (1, 2, 3, 4) if r * halves <= 4), key=lambda r: (round(fill(r), 2), r))
+    per_row = k // 256
+    loads = LOADS_PER_LANE if m_tile == 1 else LOADS_PER_LANE // 2
+    u = max(d for d in range(1, max(1, loads // (rows * halves)) + 1) if per_row % d == 0)
+    return CudaGemvConfig(rows=rows, u=u)
+
+
+def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
+    """Whether this kernel serves x @ w.T here: a Hopper GPU, bf16, at most MAX_M rows, K a multiple of 256,
+    16-byte aligned rows, and (norm) the staged activation fits shared memory."""
+    if x.device.type != "cuda" or x.dim() != 2 or x.shape[0] > MAX_M or x.shape[0] == 0:
+        return False
+    if not (x.dtype == w.dtype == torch.bfloat16) or not hopper_or_later(device_index(x.device)):
+        return False
+    k = w.shape[1]
+    if k % 256 or (norm and k * MAX_M * 2 > NORM_SHARED_BYTES):
+        return False
+    return all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+
+
+def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
+                   arch: str = "sm_90") -> cuda_rtc.Compiled:
+    defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
+                   SILU=int(silu))
+    return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
+
+
+@functools.lru_cache(maxsize=None)
+def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool) -> cuda_rtc.Kernel:
+    major, minor = torch.cuda.get_device_capability(device)
+    compiled = compile_kernel(k, config, m_tile, norm, silu, f"sm_{major}{minor}")
+    return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
+
+
+@functools.lru_cache(maxsize=None)
+def _sm_count(device: int) -> int:
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
+         config: CudaGemvConfig | None = None) -> torch.Tensor:
+    """gemv_ref: x [M <= 4, K] @ w [N, K].T (+ bias) -> [M, N]."""
+    return _launch(x, None, None, 0.0, w, bias, False, False, config)[0]
+
+
+def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                      w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_gemv_ref: (rms_norm(x + residual) @ w.T (+ bias), x + residual); residual None: x itself."""
+    return _launch(x, residual, norm_weight, eps, w, bias, True, False, config)
+
+
+def add_rms_norm_gemv_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                           w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_gemv_silu_ref: w = [gate | up] [2I, K] -> (silu(gate) * up [M, I], x + residual)."""
+    return _launch(x, residual, norm_weight, eps, w, bias, True, True, config)
+
+
+def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                               eps: float, w: torch.Tensor, bias: torch.Tensor | None = None
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    gate_up, h = add_rms_norm_gemv_ref(x, residual, norm_weight, eps, w, bias)
+    gate, up = gate_up.chunk(2, dim=-1)
+    return F.silu(gate) * up, h
+
+
+def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
+            w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    m, k = x.shape
+    assert w.shape[1] == k and m <= MAX_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}: K must match, M <= {MAX_M}"
+    assert k % 256 == 0 and x.dtype == w.dtype == torch.bfloat16, "bf16, K a multiple of 256"
+    n = w.shape[0] // (2 if silu else 1)
+    if bias is not None:
+        assert bias.shape == (w.shape[0],) and bias.dtype == x.dtype and bias.stride(0) == 1
+    if norm:
+        assert norm_weight is not None and norm_weight.shape == (k,) and norm_weight.is_contiguous()
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    res_out = torch.empty_like(x) if residual is not None else x
+    device = device_index(x.device)
+    m_tile = 1 if m == 1 else 2 if m == 2 else 4
+    cfg = config or default_config(n, k, silu, _sm_count(device), m_tile)
+    kernel = _kernel(device, k, cfg, m_tile, norm, silu)
+    null = ctypes.c_void_p(0)
+
+    def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
+        return ctypes.c_void_p(t.data_ptr()) if t is not None else null
+
+    args = [ptr(x), ctypes.c_longlong(x.stride(0)),
+            ptr(residual), ctypes.c_longlong(residual.stride(0) if residual is not None else 0),
+            ptr(res_out if residual is not None else None), ctypes.c_longlong(res_out.stride(0)),
+            ptr(norm_weight), ctypes.c_float(eps),
+            ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias), ptr(out), ctypes.c_longlong(out.stride(0)),
+            ctypes.c_int(m), ctypes.c_int(n)]
+    grid = math.ceil(n / (cfg.warps * cfg.rows))
+    kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),
+                  pdl=pdl_enabled(x.device))
+    return out, res_out

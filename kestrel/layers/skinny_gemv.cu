@@ -1,0 +1,200 @@
+// Skinny matmuls for decode batches (1..M_TILE rows of x) that stream the weight at HBM bandwidth, compiled by
+// NVRTC at first use (cuda_gemv.py). Hopper, bf16. cuBLAS runs the Llama-3.1-8B's qkv and o_proj at one row at
+// ~72% of copy bandwidth with a split-K reduce kernel after each (BENCHMARKS.md session 9); the Triton skinny
+// kernel (gemv.py) lost to cuBLAS at those sizes. Here every weight row is read by one warp, 16-byte loads, the
+// first step's loads issued before the PDL wait, and the RMSNorm / SiLU-mul around the matmul folded in:
+//
+//   warp (block b, warp v) owns output rows n0 .. n0 + ROWS - 1, n0 = (b * WARPS + v) * ROWS; SILU: also the
+//   matching up rows N + n0 .. (gate_up = [gate | up], N = intermediate size), and it writes silu(gate) * up.
+//
+//             K (contiguous) ->        step 0              step 1
+//   row n0    | lane 0 | lane 1 | .. | lane 31 | (x U)  |  ...         lane t reads 8 elements at
+//   row n0+1  |  16 B  |  16 B  |    |  16 B   |        |              s * CHUNK + u * 256 + t * 8, u < U:
+//                                                                      a warp load is 512 contiguous bytes
+//   acc[row][m] (fp32, per lane) += w . a[m]; then xor shuffles sum the 32 lanes; lane 0 stores.
+//
+// Compile-time parameters (-D): K (in features), ROWS (output rows a warp), WARPS, U (16-byte loads a lane per
+// weight row per step; CHUNK = 256 * U divides K), M_TILE (rows of x the build serves, 1, 2 or 4; the launch
+// passes M <= M_TILE), NORM (1: a = norm_w * rms_norm(x + residual) staged in shared memory, rounded to bf16 at
+// each step as torch does, block 0 writes the residual stream; 0: a = x read from global), SILU (see above).
+//
+// PDL: before griddepcontrol.wait only the weight is read (no kernel of the step writes it: the read-only,
+// L1-bypassing path); x, the residual, the bias and norm weight after it, and nothing is written before it.
+
+typedef unsigned int u32;
+typedef unsigned short bf16_t;
+
+#define THREADS (WARPS * 32)
+#define HALVES (SILU ? 2 : 1)
+#define WROWS (ROWS * HALVES)        // weight rows a warp reads
+#define CHUNK (256 * U)              // K elements a warp covers per weight row per step
+#define STEPS (K / CHUNK)
+
+struct __align__(16) Vec { u32 w[4]; };   // 8 bf16 values
+
+__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
+
+__device__ __forceinline__ bf16_t to_bf16(float f) {   // round to nearest even, as torch does
+  u32 u = __float_as_uint(f);
+  u += 0x7fffu + ((u >> 16) & 1u);
+  return (bf16_t)(u >> 16);
+}
+
+__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
+
+__device__ __forceinline__ u32 pack(float a, float b) { return (u32)to_bf16(a) | ((u32)to_bf16(b) << 16); }
+
+__device__ __forceinline__ Vec stream_load(const bf16_t* p) {   // read once per step: keep it out of L1
+  Vec v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3]) : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ void pdl_wait_then_signal() {
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+}
+
+__device__ __forceinline__ float warp_sum(float v) {
+#pragma unroll
+  for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
+  return v;
+}
+
+__device__ __forceinline__ void load_step(Vec (&buf)[WROWS][U], const bf16_t* const (&rows)[WROWS], int step) {
+#pragma unroll
+  for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+    for (int u = 0; u < U; ++u) buf[r][u] = stream_load(rows[r] + step * CHUNK + u * 256);
+}
+
+#if NORM
+// a = norm_w * rms_norm(h), h = x (+ residual), both rounded to bf16 like add_rms_norm_gemv_ref; block 0 writes h.
+__device__ __forceinline__ void stage_normed(bf16_t (*act)[K], const bf16_t* x, long long stride_x,
+                                             const bf16_t* res, long long stride_res, bf16_t* res_out,
+                                             long long stride_res_out, const bf16_t* norm_w, float eps, int M) {
+  __shared__ float partial[WARPS][M_TILE];
+  float ss[M_TILE];
+#pragma unroll
+  for (int m = 0; m < M_TILE; ++m) {
+    ss[m] = 0.f;
+    if (m >= M) continue;
+    for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {
+      Vec h = *(const Vec*)(x + m * stride_x + k);
+      if (res != nullptr) {
+        Vec r = *(const Vec*)(res + m * stride_res + k);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) h.w[i] = pack(lo(h.w[i]) + lo(r.w[i]), hi(h.w[i]) + hi(r.w[i]));
+        if (blockIdx.x == 0) *(Vec*)(res_out + m * stride_res_out + k) = h;
+      }
+#pragma unroll
+      for (int i = 0; i < 4; ++i) ss[m] += lo(h.w[i]) * lo(h.w[i]) + hi(h.w[i]) * hi(h.w[i]);
+      *(Vec*)(&act[m][k]) = h;
+    }
+    ss[m] = warp_sum(ss[m]);
+  }
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  if (lane == 0) {
+#pragma unroll
+    for (int m = 0; m < M_TILE; ++m) partial[warp][m] = ss[m];
+  }
+  __syncthreads();
+#pragma unroll
+  for (int m = 0; m < M_TILE; ++m) {
+    if (m >= M) continue;
+    float total = 0.f;
+#pragma unroll
+    for (int v = 0; v < WARPS; ++v) total += partial[v][m];
+    const float rstd = rsqrtf(total / K + eps);
+    for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {   // the same elements this thread staged above
+      Vec h = *(const Vec*)(&act[m][k]);
+      Vec g = *(const Vec*)(norm_w + k);
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        h.w[i] = pack(lo(g.w[i]) * round_bf16(lo(h.w[i]) * rstd), hi(g.w[i]) * round_bf16(hi(h.w[i]) * rstd));
+      *(Vec*)(&act[m][k]) = h;
+    }
+  }
+  __syncthreads();
+}
+#endif
+
+extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
+    const bf16_t* x, long long stride_x,                   // [M, K]
+    const bf16_t* res, long long stride_res,               // NORM: [M, K] or null (h = x)
+    bf16_t* res_out, long long stride_res_out,             // NORM with res: h = x + res
+    const bf16_t* norm_w, float eps,                       // NORM: [K]
+    const bf16_t* __restrict__ w, long long stride_w,      // [N * HALVES, K]
+    const bf16_t* bias,                                    // [N * HALVES] or null
+    bf16_t* out, long long stride_out,                     // [M, N]
+    int M, int N) {
+  const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
+  const int n0 = (blockIdx.x * WARPS + warp) * ROWS;
+  const bf16_t* rows[WROWS];
+#pragma unroll
+  for (int r = 0; r < WROWS; ++r) {   // rows past N (the last block) read row N - 1 and store nothing
+    const int n = min(n0 + r % ROWS, N - 1) + (r / ROWS) * N;
+    rows[r] = w + n * stride_w + lane * 8;
+  }
+  Vec buf[WROWS][U];
+  load_step(buf, rows, 0);
+  pdl_wait_then_signal();
+
+#if NORM
+  __shared__ __align__(16) bf16_t act[M_TILE][K];
+  stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_w, eps, M);
+#endif
+
+  float acc[WROWS][M_TILE];
+#pragma unroll
+  for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+    for (int m = 0; m < M_TILE; ++m) acc[r][m] = 0.f;
+
+#pragma unroll 1
+  for (int s = 0; s < STEPS; ++s) {
+    if (s > 0) load_step(buf, rows, s);
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int k = s * CHUNK + u * 256 + lane * 8;
+#pragma unroll
+      for (int m = 0; m < M_TILE; ++m) {
+        const int row = m < M ? m : M - 1;   // rows past M compute row M - 1 again; never stored
+#if NORM
+        const Vec a = *(const Vec*)(&act[row][k]);
+#else
+        const Vec a = *(const Vec*)(x + row * stride_x + k);
+#endif
+#pragma unroll
+        for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+          for (int i = 0; i < 4; ++i)
+            acc[r][m] += lo(buf[r][u].w[i]) * lo(a.w[i]) + hi(buf[r][u].w[i]) * hi(a.w[i]);
+      }
+    }
+  }
+
+#pragma unroll
+  for (int r = 0; r < WROWS; ++r)
+#pragma unroll
+    for (int m = 0; m < M_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  if (lane != 0) return;
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+    const int n = n0 + r;
+    if (n >= N) break;
+#pragma unroll
+    for (int m = 0; m < M_TILE; ++m) {
+      if (m >= M) break;
+      float y = acc[r][m] + (bias != nullptr ? lo((u32)bias[n]) : 0.f);
+#if SILU
+      const float gate = round_bf16(y);
+      const float up = round_bf16(acc[ROWS + r][m] + (bias != nullptr ? lo((u32)bias[N + n]) : 0.f));
+      y = round_bf16(gate / (1.f + expf(-gate))) * up;
+#endif
+      out[m * stride_out + n] = to_bf16(y);
+    }
+  }
+}

@@ -1,0 +1,60 @@
+"""The CUDA C++ skinny matmul's build, on CPU: NVRTC compiles layers/skinny_gemv.cu for Hopper at the Llama-3.1-8B's
+layer shapes for 1, 2 and 4 rows without spills, and its PTX keeps the PDL contract (only weight loads, on the
+read-only L1-bypassing path, before griddepcontrol.wait). Its numbers are checked on the GPU
+(tests/gpu/test_cuda_gemv_gpu.py)."""
+from __future__ import annotations
+
+import re
+from collections import Counter
+
+import pytest
+import torch
+
+from kestrel.attention import cuda_rtc
+from kestrel.layers import cuda_gemv
+
+needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")
+
+LAYERS_8B = {  # name: (N out, K, norm folded in, SiLU-mul folded in)
+    "qkv": (6144, 4096, True, False), "o": (4096, 4096, False, False),
+    "gate_up": (14336, 4096, True, True), "down": (4096, 14336, False, False),
+}
+STREAM = "ld.global.nc.L1::no_allocate.v4.u32"
+
+
+def _loads(ptx: str) -> Counter:
+    return Counter(re.findall(r"\b(?:ld|st)\.[\w.:]+", ptx))
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("m_tile", [1, 2, 4])
+@pytest.mark.parametrize("layer", list(LAYERS_8B))
+def test_builds_for_hopper_without_spills_and_only_weights_before_the_wait(layer, m_tile):
+    n, k, norm, silu = LAYERS_8B[layer]
+    config = cuda_gemv.default_config(n, k, silu, m_tile=m_tile)
+    built = cuda_gemv.compile_kernel(k, config, m_tile, norm, silu)
+    assert built.spill_bytes() == 0 and 0 < built.registers() <= 128, built.log   # 2 blocks of 256 an SM
+    if norm:
+        assert f"{2 * k * m_tile + 4 * config.warps * m_tile} bytes smem" in built.log
+    wait = built.ptx.index("griddepcontrol.wait")
+    before, after = _loads(built.ptx[:wait]), _loads(built.ptx[wait:])
+    loads = config.rows * (2 if silu else 1) * config.u
+    assert before[STREAM] == loads and before[STREAM] <= cuda_gemv.LOADS_PER_LANE
+    assert not any(op.startswith(("st.", "ld.global.v4", "ld.shared")) for op in before)   # x, writes: after
+    assert after[STREAM] == loads   # the later steps' weight loads, in the step loop
+    assert built.ptx.index("griddepcontrol.launch_dependents") > wait
+
+
+def test_default_configs_fill_whole_waves_on_the_h200():
+    assert cuda_gemv.default_config(6144, 4096) == cuda_gemv.CudaGemvConfig(rows=3, u=4)       # 256 blocks
+    assert cuda_gemv.default_config(4096, 4096) == cuda_gemv.CudaGemvConfig(rows=2, u=8)       # 256 blocks
+    assert cuda_gemv.default_config(14336, 4096, silu=True) == cuda_gemv.CudaGemvConfig(rows=1, u=8)
+    assert cuda_gemv.default_config(4096, 14336) == cuda_gemv.CudaGemvConfig(rows=2, u=8)      # 7 steps of 2,048
+    assert cuda_gemv.default_config(4096, 14336, m_tile=4) == cuda_gemv.CudaGemvConfig(rows=2, u=4)
+    for n, k, _, silu in LAYERS_8B.values():   # a step divides K
+        assert k % (256 * cuda_gemv.default_config(n, k, silu).u) == 0
+
+
+def test_never_usable_on_cpu():
+    x, w = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(64, 4096, dtype=torch.bfloat16)
+    assert not cuda_gemv.usable(x, w)
