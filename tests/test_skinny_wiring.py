@@ -70,7 +70,7 @@ def test_skinny_weight_cap_follows_the_env(monkeypatch, cap_mb, triton_for_8b_qk
 
 
 def test_cuda_skinny_policy(monkeypatch):
-    """KESTREL_CUDA_GEMV: 0 (the default) builds nothing; auto / all take weights above the Triton cap / any
+    """KESTREL_CUDA_GEMV: 0 builds nothing; auto (the default) / all take weights above the Triton cap / any
     weight, never on CPU (the kernels need a Hopper GPU); other values are refused."""
     from kestrel.engine.fast_path import cuda_skinny
     assert cuda_skinny("0", 16 << 20) is None

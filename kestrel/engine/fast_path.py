@@ -101,13 +101,16 @@ def skinny_matmuls(mode: str = "auto"):
         (lambda rows, n, k: skinny_policy(rows, n, k, max_weight_bytes=cap))
     return SkinnyMatmuls(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
                          silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy,
-                         cuda=cuda_skinny(os.environ.get("KESTREL_CUDA_GEMV", "0"), cap))
+                         cuda=cuda_skinny(os.environ.get("KESTREL_CUDA_GEMV", "auto"), cap),
+                         l2_prefetch_o_proj=os.environ.get("KESTREL_L2_PREFETCH_O", "0") == "1")
 
 
 def cuda_skinny(mode: str, triton_cap: int):
-    """The CUDA C++ skinny matmuls (layers/cuda_gemv.py) for weights above the Triton kernels' cap (`auto`), every
-    weight they can serve (`all`), or none (`0`). KESTREL_CUDA_GEMV_MAX_MB caps the weights they take (A/B: 50 keeps
-    the 8B's gate_up and down on cuBLAS)."""
+    """The CUDA C++ skinny matmuls (layers/cuda_gemv.py) for weights above the Triton kernels' cap (`auto`, the
+    default: the Llama-3.1-8B's four matmuls, bs1 step -9.8% on the H200), every weight they can serve (`all`), or
+    none (`0`); at one row, or up to KESTREL_CUDA_GEMV_MAX_ROWS (at 4 rows cuBLAS was as fast or faster on the 8B's
+    shapes, benchmarks/cuda_gemv_bench.py). KESTREL_CUDA_GEMV_MAX_MB caps the weights they take (A/B: 50 keeps the
+    8B's gate_up and down on cuBLAS)."""
     if mode == "0":
         return None
     if mode not in ("auto", "all"):
@@ -118,9 +121,11 @@ def cuda_skinny(mode: str, triton_cap: int):
     low = 0 if mode == "all" else triton_cap
     mb = os.environ.get("KESTREL_CUDA_GEMV_MAX_MB")
     high = int(mb) << 20 if mb else 1 << 62
+    max_rows = int(os.environ.get("KESTREL_CUDA_GEMV_MAX_ROWS", "1"))
 
     def use(x, weight, norm: bool) -> bool:
-        return low < weight.numel() * weight.element_size() <= high and cuda_gemv.usable(x, weight, norm)
+        return (x.shape[0] <= max_rows and low < weight.numel() * weight.element_size() <= high
+                and cuda_gemv.usable(x, weight, norm))
 
     return CudaSkinny(gemv=cuda_gemv.gemv, add_rms_norm_gemv=cuda_gemv.add_rms_norm_gemv,
                       add_rms_norm_gemv_silu=cuda_gemv.add_rms_norm_gemv_silu, use=use)

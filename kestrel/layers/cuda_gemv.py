@@ -144,6 +144,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
     cfg = config or default_config(n, k, silu, _sm_count(device), m_tile)
+    assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
     kernel = _kernel(device, k, cfg, m_tile, norm, silu)
     null = ctypes.c_void_p(0)
 
