@@ -119,6 +119,16 @@ __device__ __forceinline__ void prefetch_to_l2(const char* base, long long bytes
   }
 }
 
+// The same slice as one prefetch.global.L2 per 128-byte line from every thread of the program (no bulk unit).
+__device__ __forceinline__ void prefetch_lines_to_l2(const char* base, long long bytes) {
+  const long long programs = (long long)gridDim.x * gridDim.y;
+  const long long program = (long long)blockIdx.y * gridDim.x + blockIdx.x;
+  const long long per = ((bytes + programs - 1) / programs + 127) / 128 * 128;
+  const long long begin = program * per, end = min(begin + per, bytes);
+  for (long long off = begin + threadIdx.x * 128; off < end; off += THREADS * 128)
+    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(base + off) : "memory");
+}
+
 __device__ __forceinline__ void pdl_wait_then_signal() {
   asm volatile("griddepcontrol.wait;" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
@@ -201,7 +211,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
                long long stride_kb, long long stride_ko, long long stride_kh,
                long long stride_vb, long long stride_vo, long long stride_vh,
                long long stride_bt, long long stride_os, long long stride_oh,
-               const char* l2_prefetch, long long l2_prefetch_bytes) {
+               const char* l2_prefetch, long long l2_prefetch_bytes, int l2_prefetch_lines) {
   __shared__ float slot_acc[SLOTS][GROUP][HEAD_DIM];
   __shared__ float slot_m[SLOTS][GROUP];
   __shared__ float slot_l[SLOTS][GROUP];
@@ -233,7 +243,8 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
              k[i], v[i]);
   }
 
-  if (l2_prefetch_bytes > 0 && threadIdx.x < 32) prefetch_to_l2(l2_prefetch, l2_prefetch_bytes);
+  if (l2_prefetch_bytes > 0 && l2_prefetch_lines) prefetch_lines_to_l2(l2_prefetch, l2_prefetch_bytes);
+  else if (l2_prefetch_bytes > 0 && threadIdx.x < 32) prefetch_to_l2(l2_prefetch, l2_prefetch_bytes);
 
   pdl_wait_then_signal();
 

@@ -147,7 +147,8 @@ def decode_attention(
                                                             not l2_prefetch.is_contiguous())):
         prefetch_bytes = 0
     args = [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides],
-            ctypes.c_void_p(l2_prefetch.data_ptr() if prefetch_bytes else 0), ctypes.c_longlong(prefetch_bytes)]
+            ctypes.c_void_p(l2_prefetch.data_ptr() if prefetch_bytes else 0), ctypes.c_longlong(prefetch_bytes),
+            ctypes.c_int(int(os.environ.get("KESTREL_L2_PREFETCH_O", "1") == "2"))]   # 2: per-line prefetches
     kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32, args, torch.cuda.current_stream(q.device),
                   cluster=cluster, pdl=pdl_enabled(q.device))
     return out

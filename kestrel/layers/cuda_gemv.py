@@ -19,6 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import math
+import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,6 +65,16 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
     loads = LOADS_PER_LANE if m_tile == 1 else LOADS_PER_LANE // 2
     u = max(d for d in range(1, max(1, loads // (rows * halves)) + 1) if per_row % d == 0)
     return CudaGemvConfig(rows=rows, u=u)
+
+
+def config_override(n: int, k: int) -> CudaGemvConfig | None:
+    """KESTREL_CUDA_GEMV_CONFIG="NxK=rows,u;..." (A/B runs): the config for output features N and in features K."""
+    for entry in filter(None, os.environ.get("KESTREL_CUDA_GEMV_CONFIG", "").split(";")):
+        shape, _, value = entry.partition("=")
+        if shape == f"{n}x{k}":
+            rows, u = map(int, value.split(","))
+            return CudaGemvConfig(rows=rows, u=u)
+    return None
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
@@ -143,7 +154,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     res_out = torch.empty_like(x) if residual is not None else x
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
-    cfg = config or default_config(n, k, silu, _sm_count(device), m_tile)
+    cfg = config or config_override(n, k) or default_config(n, k, silu, _sm_count(device), m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
     kernel = _kernel(device, k, cfg, m_tile, norm, silu)
     null = ctypes.c_void_p(0)
