@@ -40,10 +40,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
-        l2_prefetch: torch.Tensor | None = None,   # a weight the next kernel reads: a hint to pull it into L2
     ) -> torch.Tensor:           # [T, num_heads, head_dim]
-        """Attention over the cache. A backend may use `l2_prefetch` (o_proj's weight on decode steps) while its
-        kernel waits on memory latency, since a small decode step's HBM idles during attention; others ignore it."""
+        ...
 
     # CUDA-graph hooks: a backend that keeps metadata on the device copies it into static buffers here.
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:

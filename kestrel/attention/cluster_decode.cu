@@ -28,9 +28,6 @@
 //                       until all peers have read it.
 // kv_len == 0 (a padded graph row): every program is empty and the output is 0, as in the Triton kernel.
 //
-// L2 prefetch (optional, l2_prefetch_bytes > 0): the programs split a weight of the next kernel between them and
-// issue cp.async.bulk.prefetch.L2 for it before the wait (see prefetch_to_l2).
-//
 // PDL: before griddepcontrol.wait only what no kernel of this step writes is read (kv_lens, the block table, the
 // K/V of every key but the newest, which the attention prologue writes just before this kernel). q and the caches
 // are not __restrict__: the kernel before this one writes q and the newest K/V while this one runs, so their
@@ -102,31 +99,6 @@ __device__ __forceinline__ float peer_load(u32 local_address, u32 peer) {   // a
   asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(remote) : "r"(local_address), "r"(peer));
   asm volatile("ld.shared::cluster.f32 %0, [%1];" : "=f"(v) : "r"(remote) : "memory");
   return v;
-}
-
-// The next kernel's weight (o_proj's), pulled into L2 while this one waits on latency: a decode step's HBM idles
-// during attention. Each program's first warp issues bulk prefetches for its slice, after its own K/V loads so
-// those are not queued behind it. Size: a multiple of 16 bytes (checked by the launcher).
-__device__ __forceinline__ void prefetch_to_l2(const char* base, long long bytes) {
-  const long long programs = (long long)gridDim.x * gridDim.y;
-  const long long program = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-  const long long per = ((bytes + programs - 1) / programs + 15) / 16 * 16;
-  const long long begin = program * per, end = min(begin + per, bytes);
-  const long long piece = 64 * 1024;
-  for (long long off = begin + (threadIdx.x % 32) * piece; off < end; off += 32 * piece) {
-    const unsigned size = (unsigned)min(piece, end - off);
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" :: "l"(base + off), "r"(size) : "memory");
-  }
-}
-
-// The same slice as one prefetch.global.L2 per 128-byte line from every thread of the program (no bulk unit).
-__device__ __forceinline__ void prefetch_lines_to_l2(const char* base, long long bytes) {
-  const long long programs = (long long)gridDim.x * gridDim.y;
-  const long long program = (long long)blockIdx.y * gridDim.x + blockIdx.x;
-  const long long per = ((bytes + programs - 1) / programs + 127) / 128 * 128;
-  const long long begin = program * per, end = min(begin + per, bytes);
-  for (long long off = begin + threadIdx.x * 128; off < end; off += THREADS * 128)
-    asm volatile("prefetch.global.L2::evict_last [%0];" :: "l"(base + off) : "memory");
 }
 
 __device__ __forceinline__ void pdl_wait_then_signal() {
@@ -210,8 +182,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
                long long stride_qs, long long stride_qh,
                long long stride_kb, long long stride_ko, long long stride_kh,
                long long stride_vb, long long stride_vo, long long stride_vh,
-               long long stride_bt, long long stride_os, long long stride_oh,
-               const char* l2_prefetch, long long l2_prefetch_bytes, int l2_prefetch_lines) {
+               long long stride_bt, long long stride_os, long long stride_oh) {
   __shared__ float slot_acc[SLOTS][GROUP][HEAD_DIM];
   __shared__ float slot_m[SLOTS][GROUP];
   __shared__ float slot_l[SLOTS][GROUP];
@@ -242,9 +213,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     load_key(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, pos, pos < end && pos < newest,
              k[i], v[i]);
   }
-
-  if (l2_prefetch_bytes > 0 && l2_prefetch_lines) prefetch_lines_to_l2(l2_prefetch, l2_prefetch_bytes);
-  else if (l2_prefetch_bytes > 0 && threadIdx.x < 32) prefetch_to_l2(l2_prefetch, l2_prefetch_bytes);
 
   pdl_wait_then_signal();
 

@@ -122,11 +122,8 @@ def decode_attention(
     kv_lens: torch.Tensor,       # [S], the block table's dtype, on the device; 0 for padded rows (output 0)
     scale: float,
     cluster: int | None = None,
-    l2_prefetch: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
-    l2_prefetch: a tensor the next kernel reads (o_proj's weight), pulled into L2 by this launch (a hint: skipped
-    unless 16-byte aligned and a multiple of 16 bytes)."""
+    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold)."""
     cluster = cluster or cluster_size()
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -142,13 +139,7 @@ def decode_attention(
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
     strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
                out.stride(0), out.stride(1)]
-    prefetch_bytes = l2_prefetch.numel() * l2_prefetch.element_size() if l2_prefetch is not None else 0
-    if prefetch_bytes % 16 or (l2_prefetch is not None and (l2_prefetch.data_ptr() % 16 or
-                                                            not l2_prefetch.is_contiguous())):
-        prefetch_bytes = 0
-    args = [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides],
-            ctypes.c_void_p(l2_prefetch.data_ptr() if prefetch_bytes else 0), ctypes.c_longlong(prefetch_bytes),
-            ctypes.c_int(int(os.environ.get("KESTREL_L2_PREFETCH_O", "1") == "2"))]   # 2: per-line prefetches
+    args = [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides]]
     kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32, args, torch.cuda.current_stream(q.device),
                   cluster=cluster, pdl=pdl_enabled(q.device))
     return out

@@ -51,8 +51,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         self._planned_for = None   # plan again at the first layer of this step
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float,
-                l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if self._planned_for is not batch:   # every layer of a step shares one plan
             self._plan(batch, q, k_cache, scale)

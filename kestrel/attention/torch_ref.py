@@ -73,8 +73,7 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_prewritten_kv(self) -> bool:
         return True
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float,
-                l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the model's attention prologue already wrote this step's K/V
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,

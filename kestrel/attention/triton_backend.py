@@ -39,16 +39,14 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_batch_size = max_batch_size
         self._partials = None   # (re)allocated at the next decode forward, sized for max_batch_size
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float,
-                l2_prefetch: torch.Tensor | None = None) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the fused attention prologue already wrote this step's K/V
             triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             num_seqs, num_heads, head_dim = q.shape
             if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
-                return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
-                                                       l2_prefetch=l2_prefetch)
+                return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale)
             partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
             return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
                                                    partials=partials)

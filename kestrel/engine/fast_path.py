@@ -101,8 +101,7 @@ def skinny_matmuls(mode: str = "auto"):
         (lambda rows, n, k: skinny_policy(rows, n, k, max_weight_bytes=cap))
     return SkinnyMatmuls(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
                          silu_mul_gemv=gemv.silu_mul_gemv, use_triton=policy,
-                         cuda=cuda_skinny(os.environ.get("KESTREL_CUDA_GEMV", "auto"), cap),
-                         l2_prefetch_o_proj=os.environ.get("KESTREL_L2_PREFETCH_O", "0") in ("1", "2"))
+                         cuda=cuda_skinny(os.environ.get("KESTREL_CUDA_GEMV", "auto"), cap))
 
 
 def cuda_skinny(mode: str, triton_cap: int):

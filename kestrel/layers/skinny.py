@@ -42,7 +42,6 @@ class SkinnyMatmuls:
     silu_mul_gemv: Callable[..., torch.Tensor]
     use_triton: Callable[[int, int, int], bool]
     cuda: CudaSkinny | None = None
-    l2_prefetch_o_proj: bool = False   # the attention backend pulls o_proj's weight into L2 while it runs
 
     def _cuda(self, x: torch.Tensor, linear: nn.Module, norm: bool = False) -> bool:
         return self.cuda is not None and self.cuda.use(x, linear.weight, norm)

@@ -39,10 +39,8 @@ class Attention(nn.Module):
         return self.o_proj(self.attend(self.qkv_proj(hidden), batch, backend, k_cache, v_cache))
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-               k_cache: torch.Tensor, v_cache: torch.Tensor, l2_prefetch: torch.Tensor | None = None
-               ) -> torch.Tensor:
-        """Projected q|k|v [T, q + 2 kv] -> attention output [T, num_heads * head_dim], before o_proj.
-        l2_prefetch: handed to the backend (AttentionBackend.forward)."""
+               k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Projected q|k|v [T, q + 2 kv] -> attention output [T, num_heads * head_dim], before o_proj."""
         if self.prologue is not None:
             q_norm_w = self.q_norm.weight if self.q_norm is not None else None
             k_norm_w = self.k_norm.weight if self.k_norm is not None else None
@@ -55,8 +53,7 @@ class Attention(nn.Module):
             q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                               self.head_dim)
-            out = backend.forward(q, None, None, k_cache, v_cache, batch, self.scale,   # K/V already written
-                                  l2_prefetch=l2_prefetch)
+            out = backend.forward(q, None, None, k_cache, v_cache, batch, self.scale)   # K/V already written
             return out.reshape(-1, self.q_size)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -65,7 +62,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.forward(batch.positions, q, k)
-        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, l2_prefetch=l2_prefetch)
+        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale)
         return out.reshape(-1, self.q_size)
 
 
@@ -111,8 +108,7 @@ class DecoderLayer(nn.Module):
         """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
-        prefetch = attn.o_proj.weight if sk.l2_prefetch_o_proj else None   # HBM idles during attention
-        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache, prefetch), attn.o_proj)
+        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
         return sk.mlp(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
                       mlp.silu_and_mul)
 
