@@ -40,7 +40,9 @@ def test_builds_for_hopper_without_spills_and_only_weights_before_the_wait(layer
     before, after = _loads(built.ptx[:wait]), _loads(built.ptx[wait:])
     loads = config.rows * (2 if silu else 1) * config.u
     assert before[STREAM] == loads and before[STREAM] <= cuda_gemv.LOADS_PER_LANE
-    assert not any(op.startswith(("st.", "ld.global.v4", "ld.shared")) for op in before)   # x, writes: after
+    # the norm weight too (a weight: no kernel of the step writes it); x, the residual, all writes: after
+    assert before["ld.global.nc.v4.u32"] == (k // (8 * 32 * config.warps) if norm else 0)
+    assert not any(op.startswith(("st.", "ld.global.v4", "ld.shared")) for op in before)
     assert after[STREAM] == loads   # the later steps' weight loads, in the step loop
     assert built.ptx.index("griddepcontrol.launch_dependents") > wait
 

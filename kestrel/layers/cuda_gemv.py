@@ -93,7 +93,7 @@ def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
                    arch: str = "sm_90") -> cuda_rtc.Compiled:
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
-                   SILU=int(silu))
+                   SILU=int(silu), NORM_W_EARLY=int(os.environ.get("KESTREL_CUDA_GEMV_NORM_EARLY", "1") != "0"))
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 

@@ -18,8 +18,13 @@
 // passes M <= M_TILE), NORM (1: a = norm_w * rms_norm(x + residual) staged in shared memory, rounded to bf16 at
 // each step as torch does, block 0 writes the residual stream; 0: a = x read from global), SILU (see above).
 //
-// PDL: before griddepcontrol.wait only the weight is read (no kernel of the step writes it: the read-only,
-// L1-bypassing path); x, the residual, the bias and norm weight after it, and nothing is written before it.
+// PDL: before griddepcontrol.wait only weights are read (no kernel of the step writes them: the read-only path,
+// L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
+// nothing is written before it.
+
+#ifndef NORM_W_EARLY
+#define NORM_W_EARLY 1
+#endif
 
 typedef unsigned int u32;
 typedef unsigned short bf16_t;
@@ -71,17 +76,34 @@ __device__ __forceinline__ void load_step(Vec (&buf)[WROWS][U], const bf16_t* co
 }
 
 #if NORM
+#define NORM_VECS ((K + THREADS * 8 - 1) / (THREADS * 8))   // 16-byte pieces of a row a thread stages
+
+// The norm weight is a weight: read before the PDL wait (read-only path, L1-cached: every block of an SM reads it).
+__device__ __forceinline__ void load_norm_weight(Vec (&g)[NORM_VECS], const bf16_t* norm_w) {
+#pragma unroll
+  for (int i = 0; i < NORM_VECS; ++i) {
+    const int k = threadIdx.x * 8 + i * THREADS * 8;
+    if (k < K)
+      asm volatile("ld.global.nc.v4.u32 {%0, %1, %2, %3}, [%4];"
+                   : "=r"(g[i].w[0]), "=r"(g[i].w[1]), "=r"(g[i].w[2]), "=r"(g[i].w[3]) : "l"(norm_w + k));
+  }
+}
+
 // a = norm_w * rms_norm(h), h = x (+ residual), both rounded to bf16 like add_rms_norm_gemv_ref; block 0 writes h.
 __device__ __forceinline__ void stage_normed(bf16_t (*act)[K], const bf16_t* x, long long stride_x,
                                              const bf16_t* res, long long stride_res, bf16_t* res_out,
-                                             long long stride_res_out, const bf16_t* norm_w, float eps, int M) {
+                                             long long stride_res_out, const Vec (&norm_w)[NORM_VECS], float eps,
+                                             int M) {
   __shared__ float partial[WARPS][M_TILE];
   float ss[M_TILE];
 #pragma unroll
   for (int m = 0; m < M_TILE; ++m) {
     ss[m] = 0.f;
     if (m >= M) continue;
-    for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {
+#pragma unroll
+    for (int i = 0; i < NORM_VECS; ++i) {
+      const int k = threadIdx.x * 8 + i * THREADS * 8;
+      if (k >= K) break;
       Vec h = *(const Vec*)(x + m * stride_x + k);
       if (res != nullptr) {
         Vec r = *(const Vec*)(res + m * stride_res + k);
@@ -108,9 +130,12 @@ __device__ __forceinline__ void stage_normed(bf16_t (*act)[K], const bf16_t* x, 
 #pragma unroll
     for (int v = 0; v < WARPS; ++v) total += partial[v][m];
     const float rstd = rsqrtf(total / K + eps);
-    for (int k = threadIdx.x * 8; k < K; k += THREADS * 8) {   // the same elements this thread staged above
+#pragma unroll
+    for (int i = 0; i < NORM_VECS; ++i) {   // the same elements this thread staged above
+      const int k = threadIdx.x * 8 + i * THREADS * 8;
+      if (k >= K) break;
       Vec h = *(const Vec*)(&act[m][k]);
-      Vec g = *(const Vec*)(norm_w + k);
+      const Vec g = norm_w[i];
 #pragma unroll
       for (int i = 0; i < 4; ++i)
         h.w[i] = pack(lo(g.w[i]) * round_bf16(lo(h.w[i]) * rstd), hi(g.w[i]) * round_bf16(hi(h.w[i]) * rstd));
@@ -140,11 +165,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   }
   Vec buf[WROWS][U];
   load_step(buf, rows, 0);
+#if NORM
+  Vec norm_weight[NORM_VECS];
+#if NORM_W_EARLY
+  load_norm_weight(norm_weight, norm_w);
+#endif
+#endif
   pdl_wait_then_signal();
+#if NORM && !NORM_W_EARLY
+  load_norm_weight(norm_weight, norm_w);   // A/B probe (KESTREL_CUDA_GEMV_NORM_EARLY=0): after the wait
+#endif
 
 #if NORM
   __shared__ __align__(16) bf16_t act[M_TILE][K];
-  stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_w, eps, M);
+  stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_weight, eps, M);
 #endif
 
   float acc[WROWS][M_TILE];
