@@ -84,6 +84,12 @@ if [[ $STAGES == *" profile "* ]]; then
   # Session 11: the cluster decode kernel (KESTREL_CLUSTER_DECODE=8, CUDA C++) is the default: the Triton kernel
   # measured +3.9% / +5.2% (0.6B) and +2.2% / -0.4% / +0.6% (8B) against it; 16 programs a kv head -2.0% against
   # the Triton kernel (worse than 8); 8 warps a program -0.9% against 4, 2 warps +5.6%.
+  # Session 12: the CUDA C++ skinny matmuls for the 8B (KESTREL_CUDA_GEMV=auto) are the default: cuBLAS
+  # (KESTREL_CUDA_GEMV=0) measured +10.8% / +12.4% against them; only qkv and o_proj on them
+  # (KESTREL_CUDA_GEMV_MAX_MB=50) -2.6%. Neutral or worse, removed: o_proj's weight pulled into L2 by the decode
+  # kernel (bulk -0.15% / +0.1%, per line +3.6% / +4.5%), 4-warp decode programs beside it (+0.3%), the norm
+  # weight read after the wait (+0.1%). KESTREL_CUDA_GEMV_CONFIG="NxK=rows,u" overrides a shape's config
+  # (o_proj 4,4: -0.2%; qkv 1,16: +0.9%).
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.

@@ -10,7 +10,7 @@ from collections import Counter
 import pytest
 import torch
 
-from kestrel.attention import cuda_rtc
+from kestrel import cuda_rtc
 from kestrel.layers import cuda_gemv
 
 needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")

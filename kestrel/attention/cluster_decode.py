@@ -22,7 +22,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.attention import cuda_rtc
+from kestrel import cuda_rtc
 from kestrel.attention.triton_kernels import LOG2E
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
 

@@ -71,7 +71,8 @@ def enable_fused_attn_prologue(model: nn.Module, backend: AttentionBackend, prol
 #   Qwen3-0.6B shapes, 1 row: qkv 4.2 vs 4.9 us, o 3.3 vs 12.7, gate_up 5.3 vs 5.9, down 4.5 vs 6.7 (and the
 #   norm / SiLU kernels folded in); 4 rows: only the split-K shapes (out < in: o 4.7 vs 8.3, down 6.5 vs 6.7) win.
 #   Llama-3.1-8B shapes: even at 1 row within 5% of cuBLAS (~4 TB/s), and the whole bs1 step got slower
-#   (4.49 -> 4.60 ms), so weights above SKINNY_MAX_WEIGHT_BYTES stay with cuBLAS.
+#   (4.49 -> 4.60 ms), so weights above SKINNY_MAX_WEIGHT_BYTES leave Triton: for the CUDA C++ kernels
+#   (cuda_skinny; session 12: 8B bs1 step -9.8% / -11.0% against cuBLAS) or cuBLAS.
 SKINNY_MAX_WEIGHT_BYTES = 16 << 20
 
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import functools
+import logging
 import math
 import os
 from dataclasses import dataclass
@@ -26,10 +27,11 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kestrel.attention import cuda_rtc
+from kestrel import cuda_rtc
 from kestrel.layers.gemv import add_rms_norm_gemv_ref
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
 
+log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("skinny_gemv.cu")
 MAX_M = 4                   # rows of x served; M_TILE builds 1, 2 and 4
 WARPS = 8
@@ -87,13 +89,26 @@ def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
     k = w.shape[1]
     if k % 256 or (norm and k * MAX_M * 2 > NORM_SHARED_BYTES):
         return False
-    return all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+    aligned = all(t.stride(-1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0 for t in (x, w))
+    return aligned and _builds(device_index(x.device))
+
+
+@functools.lru_cache(maxsize=None)
+def _builds(device: int) -> bool:
+    """Whether NVRTC and the driver build and load this kernel here (once); if not, say why once and leave the
+    matmuls to the other paths."""
+    try:
+        _kernel(device, 256, CudaGemvConfig(rows=1, u=1), 1, True, True)
+        return True
+    except (OSError, RuntimeError) as error:
+        log.warning("CUDA skinny matmuls unavailable, decode matmuls stay on cuBLAS / Triton: %s", error)
+        return False
 
 
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
                    arch: str = "sm_90") -> cuda_rtc.Compiled:
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
-                   SILU=int(silu), NORM_W_EARLY=int(os.environ.get("KESTREL_CUDA_GEMV_NORM_EARLY", "1") != "0"))
+                   SILU=int(silu))
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 

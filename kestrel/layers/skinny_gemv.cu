@@ -22,10 +22,6 @@
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
 
-#ifndef NORM_W_EARLY
-#define NORM_W_EARLY 1
-#endif
-
 typedef unsigned int u32;
 typedef unsigned short bf16_t;
 
@@ -167,14 +163,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   load_step(buf, rows, 0);
 #if NORM
   Vec norm_weight[NORM_VECS];
-#if NORM_W_EARLY
   load_norm_weight(norm_weight, norm_w);
 #endif
-#endif
   pdl_wait_then_signal();
-#if NORM && !NORM_W_EARLY
-  load_norm_weight(norm_weight, norm_w);   // A/B probe (KESTREL_CUDA_GEMV_NORM_EARLY=0): after the wait
-#endif
 
 #if NORM
   __shared__ __align__(16) bf16_t act[M_TILE][K];
