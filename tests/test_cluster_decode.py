@@ -9,7 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kestrel.attention import cluster_decode, cuda_rtc
+from kestrel import cuda_rtc
+from kestrel.attention import cluster_decode
 
 needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 
