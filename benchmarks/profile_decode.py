@@ -20,6 +20,7 @@ decode attention's split programs storing their partials, with no counter atomic
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import time
@@ -159,7 +160,7 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) 
     result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
               "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0",
               "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
-              "cuda_gemv": os.environ.get("KESTREL_CUDA_GEMV", "0"),
+              "cuda_gemv": os.environ.get("KESTREL_CUDA_GEMV", "auto"),
               "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", "")}
     if graphs is None:
         return result
@@ -239,6 +240,8 @@ def main() -> int:
         r = profile_model(name, args.workdir, args.steps, args.trace_dir)
         print_result(r)
         results.append(r)
+        gc.collect()               # the engine's reference cycles hold its weights and KV cache: free them before
+        torch.cuda.empty_cache()   # the next model (session 12: the 0.6B found no memory after the 8B)
     if args.out:
         args.out.write_text(json.dumps(results, indent=1))
     return 0

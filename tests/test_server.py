@@ -370,9 +370,11 @@ def test_non_streaming_client_that_disconnects_is_aborted(server):
 # ---- auth and admission --------------------------------------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def guarded_server(checkpoint):
-    """One sequence at a time, one waiting at most, and a key."""
-    config = EngineConfig(model=str(checkpoint), device="cpu", max_num_seqs=1)
+def guarded_server(checkpoint_factory):
+    """One sequence at a time, one waiting at most, and a key; a long context, so that a request can hold the only
+    slot for seconds however fast the machine."""
+    path = checkpoint_factory("llama", max_position_embeddings=4096)
+    config = EngineConfig(model=str(path), device="cpu", max_num_seqs=1)
     with LiveServer(config, ServerConfig(api_key="sesame", max_queue=1)) as s:
         yield s
 
@@ -394,7 +396,7 @@ def test_api_key_is_required_on_v1_but_not_on_health(guarded_server):
 
 def test_full_queue_answers_503_until_it_drains(guarded_server):
     headers = {"Authorization": "Bearer sesame"}
-    long = {"prompt": PROMPTS[0], "max_tokens": 200, "ignore_eos": True, "stream": True}
+    long = {"prompt": PROMPTS[0], "max_tokens": 4000, "ignore_eos": True, "stream": True}   # disconnected below
 
     async def go():
         async with httpx.AsyncClient(base_url=guarded_server.url, headers=headers, timeout=60) as client:
@@ -403,10 +405,11 @@ def test_full_queue_answers_503_until_it_drains(guarded_server):
                 while not (await anext(lines)).startswith("data: "):   # first token: it holds the only slot
                     pass
                 waiting = asyncio.create_task(client.post("/v1/completions", json={"prompt": "x", "max_tokens": 2}))
-                for _ in range(100):   # until the second request is queued behind the first
+                for _ in range(1500):   # until the second request is queued behind the first (30 s at most)
                     await asyncio.sleep(0.02)
                     if guarded_server.engine.stats().num_waiting == 1:
                         break
+                assert guarded_server.engine.stats().num_waiting == 1, "the second request never queued"
                 refused = await client.post("/v1/completions", json={"prompt": "y", "max_tokens": 2})
             # leaving the block disconnects the long stream, which frees the slot for the waiting request
             return refused, await waiting
