@@ -20,7 +20,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from benchmarks.gemv_bench import EPS, graph_time_us, weight_copies
+from benchmarks.gemv_bench import EPS, bench_all, graph_time_us
 from kestrel.layers import cuda_gemv, fused_ops
 
 SHAPES = {  # name: (K, weight rows, fold)
@@ -92,16 +92,9 @@ def main() -> None:
     parser.add_argument("--batches", default="1,4")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    rows = []
-    for name, (k, n, _) in SHAPES.items():
-        weights = weight_copies(k, n, torch.bfloat16)
-        for m in map(int, args.batches.split(",")):
-            rows.append(bench(name, m, weights))
-            r = rows[-1]
-            print(f"  {name} M={m}: cublas {r['cublas_us']:.2f} us, cuda {r['cuda_default_us']:.2f} "
-                  f"(best {r['cuda_best']} {r['cuda_best_us']:.2f}) ({time.perf_counter() - t0:.0f} s)", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+    rows = bench_all({name: (k, n) for name, (k, n, _) in SHAPES.items()}, [int(m) for m in args.batches.split(",")],
+                     bench, lambda r: f"cublas {r['cublas_us']:.2f} us, cuda {r['cuda_default_us']:.2f} "
+                                      f"(best {r['cuda_best']} {r['cuda_best_us']:.2f})")
     print_table(rows)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "rows": rows,

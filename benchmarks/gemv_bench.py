@@ -117,6 +117,22 @@ def weight_copies(k: int, n: int, dtype: torch.dtype) -> list[torch.Tensor]:
     return [one] + [one.clone() for _ in range(copies - 1)]
 
 
+def bench_all(shapes: dict[str, tuple[int, int]], batches: list[int], bench: Callable[[str, int, list], dict],
+              describe: Callable[[dict], str]) -> list[dict]:
+    """bench(name, m, weight copies) for each shape (K, N) and batch size, one shape's copies in memory at a time;
+    a progress line per row."""
+    t0 = time.perf_counter()
+    rows = []
+    for name, (k, n) in shapes.items():
+        weights = weight_copies(k, n, torch.bfloat16)
+        for m in batches:
+            rows.append(bench(name, m, weights))
+            print(f"  {name} M={m}: {describe(rows[-1])} ({time.perf_counter() - t0:.0f} s)", flush=True)
+        del weights
+        torch.cuda.empty_cache()
+    return rows
+
+
 def tbps(weight_mb: float, us: float | None) -> str:
     return "" if us is None else f"{weight_mb / us:.2f}"
 
@@ -145,16 +161,10 @@ def main() -> None:
     parser.add_argument("--alts", type=int, default=3, help="alternative configs tried per shape and M")
     args = parser.parse_args()
     t0 = time.perf_counter()
-    rows = []
-    for name in args.shapes.split(","):
-        k, n, _ = SHAPES[name]
-        weights = weight_copies(k, n, torch.bfloat16)
-        for m in map(int, args.batches.split(",")):
-            rows.append(bench_shape(name, m, weights, args.alts))
-            print(f"  {name} M={m}: cublas {rows[-1]['cublas_us']:.2f} us, gemv {rows[-1]['gemv_us']:.2f} us "
-                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
-        del weights
-        torch.cuda.empty_cache()
+    shapes = {name: SHAPES[name][:2] for name in args.shapes.split(",")}
+    rows = bench_all(shapes, [int(m) for m in args.batches.split(",")],
+                     lambda name, m, weights: bench_shape(name, m, weights, args.alts),
+                     lambda r: f"cublas {r['cublas_us']:.2f} us, gemv {r['gemv_us']:.2f} us")
     print_table(rows)
     with open(args.out, "w") as f:
         json.dump({"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": rows}, f, indent=1)

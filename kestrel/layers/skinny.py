@@ -13,7 +13,7 @@ layers/gemv.py read the weight once and fold those ops in:
 on the GPU, benchmarks/gemv_bench.py); where it does not, the unfused ops run, so the choice never changes
 results beyond bf16 rounding order inside a dot product.
 
-`cuda` (optional, layers/cuda_gemv.py) takes the weights its `use(x, weight)` picks first: CUDA C++ kernels for
+`cuda` (optional, layers/cuda_gemv.py) takes the weights its `use(x, weight, norm)` picks first: CUDA C++ kernels for
 weights past the Triton kernels' range, the same folds, and SiLU-mul folded into gate_up's output instead of down's
 input (`mlp`), so down_proj is a plain matmul there.
 """
