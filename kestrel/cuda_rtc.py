@@ -14,6 +14,7 @@ import os
 import re
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -79,12 +80,17 @@ class Compiled:
         return sum(int(n) for n in found)
 
 
+COMMON_HEADER = Path(__file__).with_name("kestrel_cuda.cuh")   # what the kernels share; #include "kestrel_cuda.cuh"
+
+
 def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> Compiled:
     """Compile `source` for `arch` (e.g. "sm_90") with -D defines; raises with NVRTC's log on errors."""
     lib = nvrtc()
     prog = ctypes.c_void_p()
-    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 0,
-                                             None, None))
+    header = (ctypes.c_char_p * 1)(COMMON_HEADER.read_bytes())
+    include_name = (ctypes.c_char_p * 1)(COMMON_HEADER.name.encode())
+    _nvrtc_check(lib, lib.nvrtcCreateProgram(ctypes.byref(prog), source.encode(), f"{name}.cu".encode(), 1,
+                                             header, include_name))
     try:
         options = [f"--gpu-architecture={arch}", "-std=c++17", "--ptxas-options=-v"]
         options += [f"-D{key}={value}" for key, value in defines.items()]
@@ -111,6 +117,12 @@ def _nvrtc_check(lib: ctypes.CDLL, status: int) -> None:
     if status != 0:
         lib.nvrtcGetErrorString.restype = ctypes.c_char_p
         raise RuntimeError(f"NVRTC error {status}: {lib.nvrtcGetErrorString(status).decode()}")
+
+
+def device_arch(device: int) -> str:
+    """The NVRTC architecture of a CUDA device, e.g. "sm_90"."""
+    major, minor = torch.cuda.get_device_capability(device)
+    return f"sm_{major}{minor}"
 
 
 @functools.lru_cache(maxsize=None)

@@ -37,8 +37,8 @@
 #define MERGE 1
 #endif
 
-typedef unsigned int u32;
-typedef unsigned short bf16_t;
+#include "kestrel_cuda.cuh"
+
 #if INDEX64
 typedef long long index_t;
 #else
@@ -52,22 +52,6 @@ typedef int index_t;
 #define ROWS (DIMS_PER_LANE / 8)              // 16-byte loads per lane per key row
 #define OUT_PER_PROGRAM (GROUP * HEAD_DIM / CLUSTER)
 #define NEG_INF (-__int_as_float(0x7f800000))
-
-struct __align__(16) Row { u32 w[4]; };       // 8 bf16 values
-
-__device__ __forceinline__ void unpack(const Row& r, float* f) {
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    f[2 * i] = __uint_as_float(r.w[i] << 16);
-    f[2 * i + 1] = __uint_as_float(r.w[i] & 0xffff0000u);
-  }
-}
-
-__device__ __forceinline__ bf16_t to_bf16(float f) {   // round to nearest even, as torch does
-  u32 u = __float_as_uint(f);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (bf16_t)(u >> 16);
-}
 
 __device__ __forceinline__ u32 cluster_rank() {
   u32 r;
@@ -101,20 +85,15 @@ __device__ __forceinline__ float peer_load(u32 local_address, u32 peer) {   // a
   return v;
 }
 
-__device__ __forceinline__ void pdl_wait_then_signal() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
-}
-
 // K and V of the key at pos (this lane's dims) into k, v; zeros where !valid.
 __device__ __forceinline__ void load_key(const index_t* table, const bf16_t* k_head, const bf16_t* v_head,
                                          long long stride_kb, long long stride_ko, long long stride_vb,
-                                         long long stride_vo, int pos, bool valid, Row* k, Row* v) {
+                                         long long stride_vo, int pos, bool valid, Vec* k, Vec* v) {
   if (valid) {
     const long long block = table[pos / BLOCK_SIZE];
     const int offset = pos % BLOCK_SIZE;
-    const Row* kp = reinterpret_cast<const Row*>(k_head + block * stride_kb + offset * stride_ko);
-    const Row* vp = reinterpret_cast<const Row*>(v_head + block * stride_vb + offset * stride_vo);
+    const Vec* kp = reinterpret_cast<const Vec*>(k_head + block * stride_kb + offset * stride_ko);
+    const Vec* vp = reinterpret_cast<const Vec*>(v_head + block * stride_vb + offset * stride_vo);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) { k[r] = kp[r]; v[r] = vp[r]; }
   } else {
@@ -126,8 +105,8 @@ __device__ __forceinline__ void load_key(const index_t* table, const bf16_t* k_h
 }
 
 // One online-softmax step of a slot over PREFETCH keys (key i at pos0 + i * SLOTS, counted if < end).
-__device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], const Row (&k)[PREFETCH][ROWS],
-                                       const Row (&v)[PREFETCH][ROWS], int pos0, int end,
+__device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], const Vec (&k)[PREFETCH][ROWS],
+                                       const Vec (&v)[PREFETCH][ROWS], int pos0, int end,
                                        float (&m)[GROUP], float (&l)[GROUP], float (&acc)[GROUP][DIMS_PER_LANE]) {
   float s[PREFETCH][GROUP];
 #pragma unroll
@@ -206,7 +185,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   const index_t* table = block_table + seq * stride_bt;
   const bf16_t* k_head = k_cache + kv_head * stride_kh + dim0;
   const bf16_t* v_head = v_cache + kv_head * stride_vh + dim0;
-  Row k[PREFETCH][ROWS], v[PREFETCH][ROWS];
+  Vec k[PREFETCH][ROWS], v[PREFETCH][ROWS];
 #pragma unroll
   for (int i = 0; i < PREFETCH; ++i) {
     const int pos = start + slot + i * SLOTS;
@@ -219,10 +198,10 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   float q[GROUP][DIMS_PER_LANE];
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
-    const Row* qp = reinterpret_cast<const Row*>(q_ptr + seq * stride_qs + (kv_head * GROUP + g) * stride_qh + dim0);
+    const Vec* qp = reinterpret_cast<const Vec*>(q_ptr + seq * stride_qs + (kv_head * GROUP + g) * stride_qh + dim0);
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) {
-      Row row = qp[r];
+      Vec row = qp[r];
       unpack(row, q[g] + 8 * r);
     }
 #pragma unroll

@@ -108,8 +108,7 @@ def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arc
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
             index64: bool, warps: int) -> cuda_rtc.Kernel:
-    major, minor = torch.cuda.get_device_capability(device)
-    compiled = compile_kernel(group, head_dim, cluster, block_size, f"sm_{major}{minor}", index64, warps)
+    compiled = compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device), index64, warps)
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device),
                            non_portable_cluster=cluster > 8)
 

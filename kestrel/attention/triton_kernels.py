@@ -10,7 +10,6 @@ launch (experiment, KESTREL_FUSED_DECODE_PROLOGUE=1), which hands it the newest 
 """
 from __future__ import annotations
 
-import functools
 import math
 import os
 
@@ -18,7 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import device_index, launch_options, pdl_wait
+from kestrel.layers.pdl import device_index, launch_options, pdl_wait, sm_count
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits
@@ -435,19 +434,13 @@ def merge_in_kernel() -> bool:
     return os.environ.get("KESTREL_DECODE_MERGE", "atomic") != "reduce"
 
 
-@functools.lru_cache(maxsize=None)
-def _num_sms(index: int) -> int:
-    return torch.cuda.get_device_properties(index).multi_processor_count
-
-
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
     """Splits per sequence from shapes only (never from kv_lens), so a captured graph replays any lengths.
 
     Enough programs to fill the GPU about twice over, but no split shorter than MIN_TOKENS_PER_SPLIT of the
     table's capacity (max_context = max_blocks * block_size).
     """
-    sms = _num_sms(device_index(device)) \
-        if device.type == "cuda" else 8
+    sms = sm_count(device_index(device)) if device.type == "cuda" else 8
     for_occupancy = triton.cdiv(2 * sms, max(num_seqs * num_kv_heads, 1))
     for_length = triton.cdiv(max_context, MIN_TOKENS_PER_SPLIT)
     return max(1, min(for_occupancy, for_length, MAX_DECODE_SPLITS))

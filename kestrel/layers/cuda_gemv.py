@@ -29,7 +29,7 @@ import torch.nn.functional as F
 
 from kestrel import cuda_rtc
 from kestrel.layers.gemv import add_rms_norm_gemv_ref
-from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
+from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled, sm_count
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("skinny_gemv.cu")
@@ -79,6 +79,12 @@ def config_override(n: int, k: int) -> CudaGemvConfig | None:
     return None
 
 
+@functools.lru_cache(maxsize=None)
+def _config(device: int, n: int, k: int, silu: bool, m_tile: int) -> CudaGemvConfig:
+    """The launch's config, once per shape (eager decode launches 4 a layer): the override, else the table."""
+    return config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile)
+
+
 def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
     """Whether this kernel serves x @ w.T here: a Hopper GPU, bf16, at most MAX_M rows, K a multiple of 256,
     16-byte aligned rows, and (norm) the staged activation fits shared memory."""
@@ -114,14 +120,8 @@ def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool) -> cuda_rtc.Kernel:
-    major, minor = torch.cuda.get_device_capability(device)
-    compiled = compile_kernel(k, config, m_tile, norm, silu, f"sm_{major}{minor}")
+    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device))
     return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
-
-
-@functools.lru_cache(maxsize=None)
-def _sm_count(device: int) -> int:
-    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
@@ -169,7 +169,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     res_out = torch.empty_like(x) if residual is not None else x
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
-    cfg = config or config_override(n, k) or default_config(n, k, silu, _sm_count(device), m_tile)
+    cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
     kernel = _kernel(device, k, cfg, m_tile, norm, silu)
     null = ctypes.c_void_p(0)

@@ -46,6 +46,12 @@ def hopper_or_later(device_index: int) -> bool:
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
+@functools.lru_cache(maxsize=None)
+def sm_count(device_index: int) -> int:
+    """Streaming multiprocessors of the device (grids are sized to fill them)."""
+    return torch.cuda.get_device_properties(device_index).multi_processor_count
+
+
 def launch_options(device: torch.device) -> dict[str, bool]:
     """Extra kernel-launch keywords (merged into `kernel[grid](..., **launch_options(dev))`) and the USE_PDL
     constexpr that makes the kernel call pdl_wait."""

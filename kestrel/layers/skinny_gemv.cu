@@ -22,25 +22,13 @@
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
 
-typedef unsigned int u32;
-typedef unsigned short bf16_t;
+#include "kestrel_cuda.cuh"
 
 #define THREADS (WARPS * 32)
 #define HALVES (SILU ? 2 : 1)
 #define WROWS (ROWS * HALVES)        // weight rows a warp reads
 #define CHUNK (256 * U)              // K elements a warp covers per weight row per step
 #define STEPS (K / CHUNK)
-
-struct __align__(16) Vec { u32 w[4]; };   // 8 bf16 values
-
-__device__ __forceinline__ float lo(u32 v) { return __uint_as_float(v << 16); }
-__device__ __forceinline__ float hi(u32 v) { return __uint_as_float(v & 0xffff0000u); }
-
-__device__ __forceinline__ bf16_t to_bf16(float f) {   // round to nearest even, as torch does
-  u32 u = __float_as_uint(f);
-  u += 0x7fffu + ((u >> 16) & 1u);
-  return (bf16_t)(u >> 16);
-}
 
 __device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
 
@@ -51,11 +39,6 @@ __device__ __forceinline__ Vec stream_load(const bf16_t* p) {   // read once per
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
                : "=r"(v.w[0]), "=r"(v.w[1]), "=r"(v.w[2]), "=r"(v.w[3]) : "l"(p));
   return v;
-}
-
-__device__ __forceinline__ void pdl_wait_then_signal() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
 }
 
 __device__ __forceinline__ float warp_sum(float v) {
