@@ -108,7 +108,8 @@ def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arc
 
 def _kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
             index64: bool, warps: int) -> cuda_rtc.Kernel:
-    return _loaded_kernel(device, group, head_dim, cluster, block_size, index64, warps, resident_gemv.enabled())
+    return _loaded_kernel(device, group, head_dim, cluster, block_size, index64, warps,
+                          resident_gemv.max_shared_carveout("decode"))
 
 
 @functools.lru_cache(maxsize=None)

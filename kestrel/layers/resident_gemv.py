@@ -64,6 +64,16 @@ def enabled() -> bool:
     return os.environ.get("KESTREL_RESIDENT_GEMV", "0") == "1"
 
 
+def max_shared_carveout(kernel: str) -> bool:
+    """Whether `kernel` ("decode", "gemv", "resident") asks for the SM's whole shared-memory carveout.
+    KESTREL_SHARED_CARVEOUT (A/B): unset = the decode kernel and this one when this one is on; "all" = every
+    CUDA C++ kernel of the step (no SM ever switches its split between them); "none"; or a kernel name."""
+    mode = os.environ.get("KESTREL_SHARED_CARVEOUT")
+    if mode is None:
+        return enabled() and kernel in ("decode", "resident")
+    return mode == "all" or mode == kernel
+
+
 def budget() -> int:
     kb = os.environ.get("KESTREL_RESIDENT_GEMV_KB")
     return int(kb) * 1024 if kb else SHARED_BUDGET
@@ -109,7 +119,7 @@ def compile_kernel(k: int, config: ResidentConfig, arch: str = "sm_90") -> cuda_
 def _kernel(device: int, k: int, config: ResidentConfig) -> cuda_rtc.Kernel:
     compiled = compile_kernel(k, config, cuda_rtc.device_arch(device))
     return cuda_rtc.Kernel(compiled, "resident_gemv", torch.device("cuda", device),
-                           dynamic_shared=config.shared_bytes(k), max_shared_carveout=True)
+                           dynamic_shared=config.shared_bytes(k), max_shared_carveout=max_shared_carveout("resident"))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

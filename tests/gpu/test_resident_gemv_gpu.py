@@ -15,7 +15,7 @@ from tests.gpu.test_gemv_gpu import cuda_inputs, mostly_bit_equal
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 
-@pytest.mark.parametrize("n,k", [(4096, 4096), (4000, 4096), (100, 1024), (6144, 4096)])
+@pytest.mark.parametrize("n,k", [(4096, 4096), (4000, 4096), (100, 1024), (1024, 4096)])
 @pytest.mark.parametrize("with_bias", [False, True])
 def test_matches_reference(n, k, with_bias):
     t = cuda_inputs(1, k, n, torch.bfloat16, seed=n + k + with_bias, with_bias=with_bias)
