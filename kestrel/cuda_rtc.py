@@ -20,8 +20,6 @@ import torch
 
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
-CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES = 8
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -159,12 +157,7 @@ def _make_primary_context_current(device_index: int) -> None:
 class Kernel:
     """A loaded kernel (in the device's primary context, the one torch uses) and its launch."""
 
-    def __init__(self, compiled: Compiled, name: str, device: torch.device, non_portable_cluster: bool = False,
-                 dynamic_shared: int = 0, max_shared_carveout: bool = False):
-        """dynamic_shared: the bytes of dynamic shared memory every launch passes (past 48 KB needs the opt-in).
-        max_shared_carveout: ask for the SM's whole L1/shared split as shared memory, so that a kernel with a
-        large shared-memory block (layers/resident_gemv.py) fits beside this one's programs: an SM's split only
-        changes while it is idle."""
+    def __init__(self, compiled: Compiled, name: str, device: torch.device, non_portable_cluster: bool = False):
         with torch.cuda.device(device):
             _make_primary_context_current(device.index)
             module, function = ctypes.c_void_p(), ctypes.c_void_p()
@@ -174,14 +167,7 @@ class Kernel:
             if non_portable_cluster:
                 _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
                                                     1), "cuFuncSetAttribute")
-            if dynamic_shared:
-                _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES,
-                                                    dynamic_shared), "cuFuncSetAttribute")
-            if max_shared_carveout:
-                _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                                    100), "cuFuncSetAttribute")
         self.module, self.function, self.compiled = module, function, compiled
-        self.dynamic_shared = dynamic_shared
 
     def attribute(self, attribute: int) -> int:
         value = ctypes.c_int()
@@ -205,7 +191,6 @@ class Kernel:
         config = _LaunchConfig()
         config.grid[:] = list(grid)
         config.block[:] = [block, 1, 1]
-        config.shared_mem = self.dynamic_shared
         config.stream = stream.cuda_stream
         config.attrs = attrs
         config.num_attrs = count

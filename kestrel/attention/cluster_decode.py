@@ -24,7 +24,6 @@ import torch
 
 from kestrel import cuda_rtc
 from kestrel.attention.triton_kernels import LOG2E
-from kestrel.layers import resident_gemv
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
 
 log = logging.getLogger(__name__)
@@ -106,20 +105,12 @@ def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arc
                                   defines(group, head_dim, cluster, block_size, index64, warps))
 
 
+@functools.lru_cache(maxsize=None)
 def _kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
             index64: bool, warps: int) -> cuda_rtc.Kernel:
-    return _loaded_kernel(device, group, head_dim, cluster, block_size, index64, warps,
-                          resident_gemv.max_shared_carveout("decode"))
-
-
-@functools.lru_cache(maxsize=None)
-def _loaded_kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
-                   index64: bool, warps: int, max_shared_carveout: bool) -> cuda_rtc.Kernel:
     compiled = compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device), index64, warps)
-    # With the resident o_proj on, its blocks (~185 KB of shared memory each) must fit beside these programs: ask
-    # for the SM's whole shared-memory carveout (an SM's split only changes while it is idle).
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device),
-                           non_portable_cluster=cluster > 8, max_shared_carveout=max_shared_carveout)
+                           non_portable_cluster=cluster > 8)
 
 
 def decode_attention(

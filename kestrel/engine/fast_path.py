@@ -127,10 +127,5 @@ def cuda_skinny(mode: str, triton_cap: int):
         return (x.shape[0] <= max_rows and low < weight.numel() * weight.element_size() <= high
                 and cuda_gemv.usable(x, weight, norm))
 
-    from kestrel.layers import resident_gemv
-
-    resident = resident_gemv.enabled()
     return CudaSkinny(gemv=cuda_gemv.gemv, add_rms_norm_gemv=cuda_gemv.add_rms_norm_gemv,
-                      add_rms_norm_gemv_silu=cuda_gemv.add_rms_norm_gemv_silu, use=use,
-                      resident_gemv=resident_gemv.gemv if resident else None,
-                      use_resident=resident_gemv.usable if resident else None)
+                      add_rms_norm_gemv_silu=cuda_gemv.add_rms_norm_gemv_silu, use=use)

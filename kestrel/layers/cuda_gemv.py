@@ -28,7 +28,6 @@ import torch
 import torch.nn.functional as F
 
 from kestrel import cuda_rtc
-from kestrel.layers import resident_gemv
 from kestrel.layers.gemv import add_rms_norm_gemv_ref
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled, sm_count
 
@@ -119,16 +118,10 @@ def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 
-def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool) -> cuda_rtc.Kernel:
-    return _loaded_kernel(device, k, config, m_tile, norm, silu, resident_gemv.max_shared_carveout("gemv"))
-
-
 @functools.lru_cache(maxsize=None)
-def _loaded_kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-                   max_shared_carveout: bool) -> cuda_rtc.Kernel:
+def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool) -> cuda_rtc.Kernel:
     compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device))
-    return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device),
-                           max_shared_carveout=max_shared_carveout)
+    return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,

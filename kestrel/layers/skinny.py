@@ -32,10 +32,6 @@ class CudaSkinny:
     add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     add_rms_norm_gemv_silu: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     use: Callable[[torch.Tensor, torch.Tensor, bool], bool]    # (x, weight, norm folded in) -> this kernel runs it
-    # the matmul right after decode attention, its weight copied into shared memory while attention runs
-    # (layers/resident_gemv.py); None: that matmul is an ordinary one
-    resident_gemv: Callable[..., torch.Tensor] | None = None
-    use_resident: Callable[[torch.Tensor, torch.Tensor], bool] | None = None
 
 
 @dataclass(frozen=True)
@@ -57,14 +53,6 @@ class SkinnyMatmuls:
         if self._cuda(x, linear):
             return self.cuda.gemv(x, linear.weight, linear.bias)
         return self.gemv(x, linear.weight, linear.bias) if self._triton(x, linear) else linear(x)
-
-    def attention_output(self, x: torch.Tensor, linear: nn.Module) -> torch.Tensor:
-        """o_proj: linear(x) for the attention output x."""
-        cuda = self.cuda
-        if cuda is not None and cuda.resident_gemv is not None and self._cuda(x, linear) \
-                and cuda.use_resident(x, linear.weight):
-            return cuda.resident_gemv(x, linear.weight, linear.bias)
-        return self.linear(x, linear)
 
     def norm_linear(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module
                     ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
         attn, mlp = self.self_attn, self.mlp
         qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
-        hidden = sk.attention_output(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
+        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
         return sk.mlp(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
                       mlp.silu_and_mul)
 
