@@ -60,3 +60,20 @@ def test_default_configs_fill_whole_waves_on_the_h200():
 def test_never_usable_on_cpu():
     x, w = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(64, 4096, dtype=torch.bfloat16)
     assert not cuda_gemv.usable(x, w)
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("m_tile", [1, 2, 4])
+def test_rotary_fold_builds_for_the_8b_qkv_without_spills(m_tile):
+    """The QKV projection with the attention prologue folded in (ROPE): a pair of rows a warp, no spills, and
+    positions, slots and cos/sin read only after the wait (a kernel of the step writes positions and slots)."""
+    config = cuda_gemv.default_config(6144, 4096, m_tile=m_tile, pairs=True)
+    assert config.rows == 2
+    built = cuda_gemv.compile_kernel(4096, config, m_tile, True, False, rope=cuda_gemv.RopeShape(128, 32, 8))
+    assert built.spill_bytes() == 0 and 0 < built.registers() <= 128, built.log
+    wait = built.ptx.index("griddepcontrol.wait")
+    before = _loads(built.ptx[:wait])
+    assert set(before) <= {STREAM, "ld.global.nc.v4.u32", "ld.param.u64", "ld.param.u32", "ld.param.f32"}, before
+    after = _loads(built.ptx[wait:])
+    assert after["ld.global.u64"] >= 2 and after["ld.global.u32"] >= 2   # positions, slots; cos and sin (bits)
+    assert after["st.global.u16"] >= 2                                   # the pair's two outputs

@@ -9,6 +9,9 @@ warp, issues its first loads before the PDL wait, and folds the ops around the m
     o_proj, down_proj                                gemv
     add + RMSNorm -> gate_up_proj -> SiLU-mul        add_rms_norm_gemv_silu (gate and up rows of one output in
                                                      one warp, so down_proj reads the activation directly)
+    add + RMSNorm -> qkv_proj -> rotary, K/V write   add_rms_norm_gemv_rope (a decode step's attention prologue,
+                                                     models without q/k norm: the pair rows of a rotation in one
+                                                     warp, q out, k and v into the paged caches)
 
 Numerics are those of gemv.py's references (fp32 accumulation, the same bf16 roundings); the sum order differs,
 so outputs match the references to about an ulp. Hopper and bf16 only (`usable`); NVRTC compiles each shape at
@@ -42,18 +45,37 @@ NORM_SHARED_BYTES = 48 * 1024   # the staged activation [M_TILE, K] bf16 must fi
 
 
 @dataclass(frozen=True)
+class RopeShape:
+    """The attention heads of a fused QKV weight whose prologue the kernel runs (compile-time: ROPE)."""
+    head_dim: int
+    num_heads: int
+    num_kv_heads: int
+
+
+class RopeArgs(ctypes.Structure):   # skinny_gemv.cu's struct RopeArgs, field for field
+    _fields_ = [("positions", ctypes.c_void_p), ("slots", ctypes.c_void_p), ("cos_sin", ctypes.c_void_p),
+                ("stride_cos_sin", ctypes.c_longlong), ("q_out", ctypes.c_void_p), ("stride_q", ctypes.c_longlong),
+                ("k_cache", ctypes.c_void_p), ("v_cache", ctypes.c_void_p)] + \
+               [(name, ctypes.c_longlong) for name in ("stride_kb", "stride_ko", "stride_kh", "stride_vb",
+                                                        "stride_vo", "stride_vh", "block_size")]
+
+
+@dataclass(frozen=True)
 class CudaGemvConfig:
     rows: int               # output rows a warp owns (SILU: and as many up rows)
     u: int                  # 16-byte loads a lane per weight row per step: a step covers 256 * u of K
     warps: int = WARPS
 
 
-def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_tile: int = 1) -> CudaGemvConfig:
+def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_tile: int = 1,
+                   pairs: bool = False) -> CudaGemvConfig:
     """Rows a warp such that the grid fills whole waves of resident blocks (every block streams the same bytes,
     so a half-empty last wave idles half the GPU), then the widest step within LOADS_PER_LANE loads.
 
     H200 (132 SMs, 264 resident blocks), 8B shapes: qkv N=6144 -> 3 rows (256 blocks); o_proj N=4096 -> 2 rows
     (256); gate_up N=14336 with SiLU -> 1 row + its up row (1,792 blocks, 6.8 waves); down N=4096 K=14336 -> 2 rows.
+    pairs (the rotary fold): one pair of rows; qkv -> 384 blocks (rows 2 measured 13.18 us against 13.35 for 3 in
+    session 12's bench).
     """
     halves = 2 if silu else 1
     capacity = sm_count * BLOCKS_PER_SM
@@ -62,7 +84,8 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
         waves = math.ceil(n / (WARPS * rows)) / capacity
         return waves / math.ceil(waves)
 
-    rows = max((r for r in (1, 2, 3, 4) if r * halves <= 4), key=lambda r: (round(fill(r), 2), r))
+    choices = (2,) if pairs else (1, 2, 3, 4)
+    rows = max((r for r in choices if r * halves <= 4), key=lambda r: (round(fill(r), 2), r))
     per_row = k // 256
     loads = LOADS_PER_LANE if m_tile == 1 else LOADS_PER_LANE // 2
     u = max(d for d in range(1, max(1, loads // (rows * halves)) + 1) if per_row % d == 0)
@@ -80,9 +103,11 @@ def config_override(n: int, k: int) -> CudaGemvConfig | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _config(device: int, n: int, k: int, silu: bool, m_tile: int) -> CudaGemvConfig:
+def _config(device: int, n: int, k: int, silu: bool, m_tile: int, pairs: bool = False) -> CudaGemvConfig:
     """The launch's config, once per shape (eager decode launches 4 a layer): the override, else the table."""
-    return config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile)
+    config = config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile, pairs)
+    assert not pairs or config.rows % 2 == 0, f"{config}: the rotary fold needs an even number of rows a warp"
+    return config
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
@@ -112,15 +137,18 @@ def _builds(device: int) -> bool:
 
 
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-                   arch: str = "sm_90") -> cuda_rtc.Compiled:
+                   arch: str = "sm_90", rope: RopeShape | None = None) -> cuda_rtc.Compiled:
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
                    SILU=int(silu))
+    if rope is not None:
+        defines |= dict(ROPE=1, HEAD_DIM=rope.head_dim, NUM_HEADS=rope.num_heads, NUM_KV_HEADS=rope.num_kv_heads)
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool) -> cuda_rtc.Kernel:
-    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device))
+def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
+            rope: RopeShape | None = None) -> cuda_rtc.Kernel:
+    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope)
     return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
 
 
@@ -144,6 +172,41 @@ def add_rms_norm_gemv_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_
     return _launch(x, residual, norm_weight, eps, w, bias, True, True, config)
 
 
+def add_rms_norm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                           w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                           cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                           slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
+                           config: CudaGemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """add_rms_norm_gemv_rope_ref: the fused QKV projection of a decode step and its attention prologue (no q/k
+    norm) -> (rotated q [M, num_heads, head_dim], x + residual); k and v go into the caches at slot_mapping."""
+    m = x.shape[0]
+    assert w.shape[0] == (num_heads + 2 * num_kv_heads) * head_dim and head_dim % 2 == 0
+    assert positions.dtype == slot_mapping.dtype == torch.int64 and positions.shape[0] >= m <= slot_mapping.shape[0]
+    assert cos_sin_cache.dtype == torch.float32 and cos_sin_cache.shape[-1] == head_dim \
+        and cos_sin_cache.stride(-1) == 1, "cos_sin_cache: [max_position, head_dim] fp32, full rotary"
+    assert k_cache.shape == v_cache.shape and k_cache.shape[2:] == (num_kv_heads, head_dim) \
+        and k_cache.dtype == v_cache.dtype == torch.bfloat16 and k_cache.stride(-1) == v_cache.stride(-1) == 1
+    q = torch.empty(m, num_heads, head_dim, dtype=x.dtype, device=x.device)
+    args = RopeArgs(positions.data_ptr(), slot_mapping.data_ptr(), cos_sin_cache.data_ptr(), cos_sin_cache.stride(0),
+                    q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
+                    *v_cache.stride()[:3], k_cache.shape[1])
+    _, res_out = _launch(x, residual, norm_weight, eps, w, bias, True, False, config,
+                         RopeShape(head_dim, num_heads, num_kv_heads), args)
+    return q, res_out
+
+
+def add_rms_norm_gemv_rope_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
+                               eps: float, w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
+                               cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                               slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
+    qkv, h = add_rms_norm_gemv_ref(x, residual, norm_weight, eps, w, bias)
+    q = qk_norm_rope_store_ref(qkv, None, None, eps, positions[: x.shape[0]], cos_sin_cache, k_cache, v_cache,
+                               slot_mapping[: x.shape[0]], num_heads, num_kv_heads, head_dim)
+    return q, h
+
+
 def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor,
                                eps: float, w: torch.Tensor, bias: torch.Tensor | None = None
                                ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -153,8 +216,8 @@ def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, n
 
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
-            w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None
-            ) -> tuple[torch.Tensor, torch.Tensor]:
+            w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None,
+            rope: RopeShape | None = None, rope_args: RopeArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     assert w.shape[1] == k and m <= MAX_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}: K must match, M <= {MAX_M}"
     assert k % 256 == 0 and x.dtype == w.dtype == torch.bfloat16, "bf16, K a multiple of 256"
@@ -165,13 +228,13 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         assert norm_weight is not None and norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    out = torch.empty(m, n if rope is None else 0, dtype=x.dtype, device=x.device)   # ROPE writes elsewhere
     res_out = torch.empty_like(x) if residual is not None else x
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
-    cfg = config or _config(device, n, k, silu, m_tile)
+    cfg = config or _config(device, n, k, silu, m_tile, rope is not None)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
-    kernel = _kernel(device, k, cfg, m_tile, norm, silu)
+    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope)
     null = ctypes.c_void_p(0)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -182,7 +245,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             ptr(res_out if residual is not None else None), ctypes.c_longlong(res_out.stride(0)),
             ptr(norm_weight), ctypes.c_float(eps),
             ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias), ptr(out), ctypes.c_longlong(out.stride(0)),
-            ctypes.c_int(m), ctypes.c_int(n)]
+            ctypes.c_int(m), ctypes.c_int(n), rope_args if rope_args is not None else RopeArgs()]
     grid = math.ceil(n / (cfg.warps * cfg.rows))
     kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),
                   pdl=pdl_enabled(x.device))

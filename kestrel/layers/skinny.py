@@ -32,6 +32,8 @@ class CudaSkinny:
     add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     add_rms_norm_gemv_silu: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     use: Callable[[torch.Tensor, torch.Tensor, bool], bool]    # (x, weight, norm folded in) -> this kernel runs it
+    # add + RMSNorm -> qkv_proj -> rotary, K/V write (a decode step's attention prologue, no q/k norm); None: off
+    add_rms_norm_gemv_rope: Callable[..., tuple[torch.Tensor, torch.Tensor]] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +67,18 @@ class SkinnyMatmuls:
             return linear(norm(x)), x
         hidden, residual = norm(x, residual)
         return linear(hidden), residual
+
+    def norm_linear_rope(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, linear: nn.Module,
+                         **prologue) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(rotated q, x + residual) with k and v written to the caches: the QKV projection with the attention
+        prologue folded in (`prologue`: positions, cos_sin_cache, k_cache, v_cache, slot_mapping, num_heads,
+        num_kv_heads, head_dim); None where that kernel does not serve (the caller runs norm_linear and the
+        prologue)."""
+        cuda = self.cuda
+        if cuda is None or cuda.add_rms_norm_gemv_rope is None or not self._cuda(x, linear, norm=True):
+            return None
+        return cuda.add_rms_norm_gemv_rope(x, residual, norm.weight, norm.eps, linear.weight, linear.bias,
+                                           **prologue)
 
     def mlp(self, x: torch.Tensor, residual: torch.Tensor | None, norm: nn.Module, gate_up: nn.Module,
             down: nn.Module, silu_and_mul: Callable | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -16,7 +16,16 @@
 // Compile-time parameters (-D): K (in features), ROWS (output rows a warp), WARPS, U (16-byte loads a lane per
 // weight row per step; CHUNK = 256 * U divides K), M_TILE (rows of x the build serves, 1, 2 or 4; the launch
 // passes M <= M_TILE), NORM (1: a = norm_w * rms_norm(x + residual) staged in shared memory, rounded to bf16 at
-// each step as torch does, block 0 writes the residual stream; 0: a = x read from global), SILU (see above).
+// each step as torch does, block 0 writes the residual stream; 0: a = x read from global), SILU (see above),
+// ROPE (the fused QKV projection of a decode step with the attention prologue folded in, models without q/k norm:
+// see below; HEAD_DIM, NUM_HEADS, NUM_KV_HEADS).
+//
+// ROPE: rotary pairs element i of a head with element i + HEAD_DIM / 2, so a warp owns pairs of rows instead of
+// consecutive ones: pair p = head * HALF + i is rows head * HEAD_DIM + i and + HALF. Its lane 0 then rotates the
+// pair at the token's position (q and k heads; HF's roundings, as attention_prologue.py) and writes q into
+// rope.q_out and k, v into the paged caches at the token's slot (-1: nothing written), so no prologue kernel
+// runs between this matmul and decode attention. Positions, slots and cos/sin are read right after the wait (the
+// step's bookkeeping kernels write positions and slots), so their round trips hide under the matmul.
 //
 // PDL: before griddepcontrol.wait only weights are read (no kernel of the step writes them: the read-only path,
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
@@ -29,6 +38,28 @@
 #define WROWS (ROWS * HALVES)        // weight rows a warp reads
 #define CHUNK (256 * U)              // K elements a warp covers per weight row per step
 #define STEPS (K / CHUNK)
+#ifndef ROPE
+#define ROPE 0
+#endif
+#if ROPE
+#define HALF (HEAD_DIM / 2)
+#if ROWS % 2 || SILU
+#error "ROPE needs whole pairs of rows a warp and no SiLU"
+#endif
+#endif
+
+struct RopeArgs {                        // ROPE only (all zero otherwise); one entry per row m of x (a token)
+  const long long* positions;            // [M]
+  const long long* slots;                // [M] flat cache slot, -1: do not write
+  const float* cos_sin;                  // [max_position, HEAD_DIM] = [cos | sin], fp32
+  long long stride_cos_sin;
+  bf16_t* q_out;                         // [M, NUM_HEADS * HEAD_DIM], rotated q
+  long long stride_q;
+  bf16_t* k_cache;                       // [blocks, block_size, NUM_KV_HEADS, HEAD_DIM]
+  bf16_t* v_cache;
+  long long stride_kb, stride_ko, stride_kh, stride_vb, stride_vo, stride_vh;
+  long long block_size;
+};
 
 __device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
 
@@ -132,14 +163,24 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     const bf16_t* norm_w, float eps,                       // NORM: [K]
     const bf16_t* __restrict__ w, long long stride_w,      // [N * HALVES, K]
     const bf16_t* bias,                                    // [N * HALVES] or null
-    bf16_t* out, long long stride_out,                     // [M, N]
-    int M, int N) {
+    bf16_t* out, long long stride_out,                     // [M, N]; ROPE: unused (rope.q_out and the caches)
+    int M, int N, RopeArgs rope) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = (blockIdx.x * WARPS + warp) * ROWS;
+  int row_of[ROWS];                   // the output row of each of the warp's rows (>= N: past the end)
+#pragma unroll
+  for (int r = 0; r < ROWS; ++r) {
+#if ROPE
+    const int pair = n0 / 2 + r / 2;
+    row_of[r] = (pair / HALF) * HEAD_DIM + pair % HALF + (r % 2) * HALF;
+#else
+    row_of[r] = n0 + r;
+#endif
+  }
   const bf16_t* rows[WROWS];
 #pragma unroll
   for (int r = 0; r < WROWS; ++r) {   // rows past N (the last block) read row N - 1 and store nothing
-    const int n = min(n0 + r % ROWS, N - 1) + (r / ROWS) * N;
+    const int n = min(row_of[r % ROWS], N - 1) + (r / ROWS) * N;
     rows[r] = w + n * stride_w + lane * 8;
   }
   Vec buf[WROWS][U];
@@ -150,6 +191,21 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
 #endif
   pdl_wait_then_signal();
 
+#if ROPE   // the rotation's inputs, first thing after the wait: two dependent round trips under the matmul
+  float cos_at[ROWS / 2][M_TILE], sin_at[ROWS / 2][M_TILE];
+  long long slot_at[M_TILE];
+#pragma unroll
+  for (int m = 0; m < M_TILE; ++m) {
+    slot_at[m] = m < M ? rope.slots[m] : -1;
+    const float* cs = rope.cos_sin + (m < M ? rope.positions[m] : 0) * rope.stride_cos_sin;
+#pragma unroll
+    for (int j = 0; j < ROWS / 2; ++j) {
+      const int i = row_of[2 * j] % HEAD_DIM;   // < HALF
+      cos_at[j][m] = round_bf16(cs[i]);
+      sin_at[j][m] = round_bf16(cs[HALF + i]);
+    }
+  }
+#endif
 #if NORM
   __shared__ __align__(16) bf16_t act[M_TILE][K];
   stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_weight, eps, M);
@@ -189,6 +245,42 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
 #pragma unroll
     for (int m = 0; m < M_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
   if (lane != 0) return;
+#if ROPE
+#pragma unroll
+  for (int r = 0; r < ROWS; r += 2) {
+    const int n = row_of[r];
+    if (n >= N) break;
+    const int head = n / HEAD_DIM, i = n % HEAD_DIM;   // i < HALF: row n + HALF is the pair's second row
+#pragma unroll
+    for (int m = 0; m < M_TILE; ++m) {
+      if (m >= M) break;
+      float x1 = round_bf16(acc[r][m] + (bias != nullptr ? lo((u32)bias[n]) : 0.f));
+      float x2 = round_bf16(acc[r + 1][m] + (bias != nullptr ? lo((u32)bias[n + HALF]) : 0.f));
+      if (head < NUM_HEADS + NUM_KV_HEADS) {         // q or k: rotate (cos/sin rounded to bf16, as HF)
+        const float c = cos_at[r / 2][m], sn = sin_at[r / 2][m];
+        const float r1 = round_bf16(x1 * c) - round_bf16(x2 * sn);
+        const float r2 = round_bf16(x2 * c) + round_bf16(x1 * sn);
+        x1 = r1;
+        x2 = r2;
+      }
+      if (head < NUM_HEADS) {
+        bf16_t* q = rope.q_out + m * rope.stride_q + head * HEAD_DIM + i;
+        q[0] = to_bf16(x1);
+        q[HALF] = to_bf16(x2);
+        continue;
+      }
+      const long long slot = slot_at[m];
+      if (slot < 0) continue;
+      const long long block = slot / rope.block_size, offset = slot % rope.block_size;
+      const bool is_k = head < NUM_HEADS + NUM_KV_HEADS;
+      const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
+      bf16_t* dst = is_k ? rope.k_cache + block * rope.stride_kb + offset * rope.stride_ko + kv_head * rope.stride_kh
+                         : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
+      dst[i] = to_bf16(x1);
+      dst[i + HALF] = to_bf16(x2);
+    }
+  }
+#else
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int n = n0 + r;
@@ -205,4 +297,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
       out[m * stride_out + n] = to_bf16(y);
     }
   }
+#endif
 }

@@ -38,6 +38,17 @@ class Attention(nn.Module):
                 k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         return self.o_proj(self.attend(self.qkv_proj(hidden), batch, backend, k_cache, v_cache))
 
+    def prologue_folds_into_qkv(self, batch: ForwardBatch, backend: AttentionBackend) -> bool:
+        """Whether a skinny QKV kernel may run this step's attention prologue (rotary, K/V write): a decode
+        step on the fused-prologue path of a model without q/k norm."""
+        return (batch.is_decode and self.prologue is not None and self.q_norm is None
+                and backend.supports_prewritten_kv() and not backend.decodes_from_qkv())
+
+    def attend_prewritten(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
+                          k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        """Rotated q [T, num_heads, head_dim], this step's K/V already in the cache -> attention output."""
+        return backend.forward(q, None, None, k_cache, v_cache, batch, self.scale).reshape(-1, self.q_size)
+
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Projected q|k|v [T, q + 2 kv] -> attention output [T, num_heads * head_dim], before o_proj."""
@@ -53,8 +64,7 @@ class Attention(nn.Module):
             q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                               self.head_dim)
-            out = backend.forward(q, None, None, k_cache, v_cache, batch, self.scale)   # K/V already written
-            return out.reshape(-1, self.q_size)
+            return self.attend_prewritten(q, batch, backend, k_cache, v_cache)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
         k = k.view(-1, self.num_kv_heads, self.head_dim)
@@ -107,8 +117,17 @@ class DecoderLayer(nn.Module):
     def _forward_skinny(self, sk: SkinnyMatmuls, hidden, residual, batch, backend, k_cache, v_cache):
         """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
         attn, mlp = self.self_attn, self.mlp
-        qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
-        hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
+        folded = attn.prologue_folds_into_qkv(batch, backend) and sk.norm_linear_rope(
+            hidden, residual, self.input_layernorm, attn.qkv_proj, positions=batch.positions,
+            cos_sin_cache=attn.rotary.cos_sin_cache, k_cache=k_cache, v_cache=v_cache,
+            slot_mapping=batch.slot_mapping, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
+            head_dim=attn.head_dim)
+        if folded:
+            q, residual = folded
+            hidden = sk.linear(attn.attend_prewritten(q, batch, backend, k_cache, v_cache), attn.o_proj)
+        else:
+            qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
+            hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
         return sk.mlp(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
                       mlp.silu_and_mul)
 

@@ -118,3 +118,53 @@ def test_engine_with_the_cuda_matmuls_on_and_off(checkpoint_factory, monkeypatch
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"cuda skinny matmuls {arch}: {same:.1%} of greedy tokens identical")
     assert all(x[:2] == y[:2] for x, y in zip(on, off)) and same > 0.5
+
+
+ROPE_SHAPES = {"8b": (4096, 32, 8, 128), "small": (256, 4, 2, 64)}   # K, heads, kv heads, head_dim
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+def test_add_rms_norm_gemv_rope_matches_reference(shape, m):
+    """q, the written K/V and the residual stream against add_rms_norm_gemv_ref + the prologue's reference, at
+    random positions, one row's slot -1 (padding: nothing written) when m > 1, with bias on the small shape."""
+    from kestrel.layers.rotary import RotaryEmbedding
+
+    k, heads, kv_heads, dim = ROPE_SHAPES[shape]
+    n = (heads + 2 * kv_heads) * dim
+    t = cuda_inputs(m, k, n, torch.bfloat16, seed=500 + m, with_bias=shape == "small")
+    rotary = RotaryEmbedding(dim, 4096, 500000.0, None).cuda()
+    gen = torch.Generator(device="cuda").manual_seed(m)
+    positions = torch.randint(0, 4096, (m,), device="cuda", generator=gen)
+    blocks, block_size = 16, 16
+    slots = torch.randperm(blocks * block_size, device="cuda", generator=gen)[:m]
+    if m > 1:
+        slots[1] = -1
+    caches = [torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
+              for _ in range(4)]
+    args = (t["x"], t["residual"], t["norm_weight"], 1e-6, t["w"], t["bias"], positions, rotary.cos_sin_cache)
+    heads_args = (heads, kv_heads, dim)
+    q, res_out = cuda_gemv.add_rms_norm_gemv_rope(*args, caches[0], caches[1], slots, *heads_args)
+    want_q, want_res = cuda_gemv.add_rms_norm_gemv_rope_ref(*args, caches[2], caches[3], slots, *heads_args)
+    mostly_bit_equal(q, want_q)
+    assert torch.equal(res_out, want_res)
+    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
+        mostly_bit_equal(got.view(-1, kv_heads, dim)[slots[slots >= 0]], want.view(-1, kv_heads, dim)[slots[slots >= 0]])
+        untouched = torch.ones(blocks * block_size, dtype=torch.bool, device="cuda")
+        untouched[slots[slots >= 0]] = False
+        assert torch.equal(got.view(-1, kv_heads, dim)[untouched], want.view(-1, kv_heads, dim)[untouched])
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: qkv bias
+def test_engine_with_the_prologue_folded_into_qkv_on_and_off(checkpoint_factory, monkeypatch, arch):
+    """Every decode step's QKV projection with rotary and the K/V write folded in (KESTREL_CUDA_GEMV_ROPE=1, the
+    matmuls on the CUDA kernels for every weight and batch) against the same engine with the prologue kernel:
+    greedy tokens (bf16 near-ties aside)."""
+    path = str(checkpoint_factory(arch, hidden_size=256, intermediate_size=512, head_dim=64))
+    monkeypatch.setenv("KESTREL_CUDA_GEMV", "all")
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_MAX_ROWS", "4")
+    on, off = routed_tokens_on_and_off(path, monkeypatch, cuda_gemv, "add_rms_norm_gemv_rope",
+                                       "KESTREL_CUDA_GEMV_ROPE", "1", "0", dtype="bfloat16")
+    same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
+    print(f"prologue folded into qkv, {arch}: {same:.1%} of greedy tokens identical")
+    assert all(x[:2] == y[:2] for x, y in zip(on, off)) and same > 0.5
