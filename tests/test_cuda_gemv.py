@@ -65,10 +65,9 @@ def test_never_usable_on_cpu():
 @needs_nvrtc
 @pytest.mark.parametrize("m_tile", [1, 2, 4])
 def test_rotary_fold_builds_for_the_8b_qkv_without_spills(m_tile):
-    """The QKV projection with the attention prologue folded in (ROPE): a pair of rows a warp, no spills, and
+    """The QKV projection with the attention prologue folded in (ROPE): the plain config, no spills, and
     positions, slots and cos/sin read only after the wait (a kernel of the step writes positions and slots)."""
-    config = cuda_gemv.default_config(6144, 4096, m_tile=m_tile, pairs=True)
-    assert config.rows == 2
+    config = cuda_gemv.default_config(6144, 4096, m_tile=m_tile)
     built = cuda_gemv.compile_kernel(4096, config, m_tile, True, False, rope=cuda_gemv.RopeShape(128, 32, 8))
     assert built.spill_bytes() == 0 and 0 < built.registers() <= 128, built.log
     wait = built.ptx.index("griddepcontrol.wait")

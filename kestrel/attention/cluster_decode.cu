@@ -7,8 +7,7 @@
 //
 // Compile-time parameters (-D): GROUP (query heads per kv head), HEAD_DIM, CLUSTER (programs per kv head),
 // NUM_WARPS, PREFETCH (keys per slot read before the PDL wait), BLOCK_SIZE (cache page), DIMS_PER_LANE (8 or 16),
-// INDEX64 (block table and kv_lens are int64, as in the CUDA-graph step's buffers; else int32), SKIP (see attend;
-// 0 computes every prefetched key and masks the ones past the end, as before session 13); MERGE=0 is a
+// INDEX64 (block table and kv_lens are int64, as in the CUDA-graph step's buffers; else int32); MERGE=0 is a
 // probe for benchmarks/profile_decode.py (KESTREL_PROFILE_ABLATE=cluster_merge): each program writes its own
 // partial's share of the output, no cluster barrier, no peer reads (wrong output; what the merge costs).
 //
@@ -36,9 +35,6 @@
 
 #ifndef MERGE
 #define MERGE 1
-#endif
-#ifndef SKIP
-#define SKIP 1
 #endif
 
 #include "kestrel_cuda.cuh"
@@ -108,19 +104,13 @@ __device__ __forceinline__ void load_key(const index_t* table, const bf16_t* k_h
   }
 }
 
-// One online-softmax step of a slot over PREFETCH keys (key i at pos0 + i * SLOTS, counted if < end). wpos0 is
-// the first key of the warp's first slot: key i past the end for that slot is past it for every slot of the warp,
-// so SKIP leaves it out (warp-uniform, the shuffles see every lane) instead of computing it and masking it: at
-// bs1 contexts of a few hundred keys a slot holds 2-3 keys of its PREFETCH.
+// One online-softmax step of a slot over PREFETCH keys (key i at pos0 + i * SLOTS, counted if < end).
 __device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], const Vec (&k)[PREFETCH][ROWS],
-                                       const Vec (&v)[PREFETCH][ROWS], int pos0, int wpos0, int end,
+                                       const Vec (&v)[PREFETCH][ROWS], int pos0, int end,
                                        float (&m)[GROUP], float (&l)[GROUP], float (&acc)[GROUP][DIMS_PER_LANE]) {
   float s[PREFETCH][GROUP];
 #pragma unroll
   for (int i = 0; i < PREFETCH; ++i) {
-#pragma unroll
-    for (int g = 0; g < GROUP; ++g) s[i][g] = 0.f;
-    if (SKIP && wpos0 + i * SLOTS >= end) continue;
     float kf[DIMS_PER_LANE];
 #pragma unroll
     for (int r = 0; r < ROWS; ++r) unpack(k[i][r], kf + 8 * r);
@@ -135,11 +125,9 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], c
 #pragma unroll
   for (int off = LANES_PER_KEY / 2; off > 0; off /= 2)
 #pragma unroll
-    for (int i = 0; i < PREFETCH; ++i) {
-      if (SKIP && wpos0 + i * SLOTS >= end) continue;
+    for (int i = 0; i < PREFETCH; ++i)
 #pragma unroll
       for (int g = 0; g < GROUP; ++g) s[i][g] += __shfl_xor_sync(0xffffffffu, s[i][g], off);
-    }
 
 #pragma unroll
   for (int g = 0; g < GROUP; ++g) {
@@ -154,7 +142,6 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], c
     for (int e = 0; e < DIMS_PER_LANE; ++e) acc[g][e] *= alpha;
 #pragma unroll
     for (int i = 0; i < PREFETCH; ++i) {
-      if (SKIP && wpos0 + i * SLOTS >= end) continue;
       const float p = (pos0 + i * SLOTS < end) ? exp2f(s[i][g] - m_new) : 0.f;
       l[g] += p;
       float vf[DIMS_PER_LANE];
@@ -186,8 +173,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   const int kv_head = blockIdx.x / CLUSTER;
   const int seq = blockIdx.y;
   const int lane = threadIdx.x % 32;
-  const int warp_slot0 = (threadIdx.x / 32) * SLOTS_PER_WARP;
-  const int slot = warp_slot0 + lane / LANES_PER_KEY;
+  const int slot = (threadIdx.x / 32) * SLOTS_PER_WARP + lane / LANES_PER_KEY;
   const int dim0 = (lane % LANES_PER_KEY) * DIMS_PER_LANE;
 
   // Before the wait: this program's slice and the K/V of its first PREFETCH keys a slot, the newest key excepted.
@@ -236,7 +222,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
 #pragma unroll
     for (int e = 0; e < DIMS_PER_LANE; ++e) acc[g][e] = 0.f;
   }
-  attend(q, k, v, start + slot, start + warp_slot0, end, m, l, acc);
+  attend(q, k, v, start + slot, end, m, l, acc);
   // Longer slices: PREFETCH keys a slot at a time, read after the wait (the loop bound is the same for the whole
   // program, so every lane of a slot reaches the shuffles).
   for (int base = start + PREFETCH * SLOTS; base < end; base += PREFETCH * SLOTS) {
@@ -245,7 +231,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
       const int pos = base + slot + i * SLOTS;
       load_key(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, pos, pos < end, k[i], v[i]);
     }
-    attend(q, k, v, base + slot, base + warp_slot0, end, m, l, acc);
+    attend(q, k, v, base + slot, end, m, l, acc);
   }
 
   // Slots -> program.

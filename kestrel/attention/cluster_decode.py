@@ -95,8 +95,7 @@ def shared_bytes(warps: int, group: int, head_dim: int) -> int:
 
 def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int) -> dict[str, int]:
     return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, PREFETCH=prefetch(group),
-                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE, INDEX64=int(index64),
-                SKIP=int(os.environ.get("KESTREL_CLUSTER_DECODE_SKIP", "1") == "1"))
+                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE, INDEX64=int(index64))
 
 
 def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",

@@ -11,7 +11,7 @@ warp, issues its first loads before the PDL wait, and folds the ops around the m
                                                      one warp, so down_proj reads the activation directly)
     add + RMSNorm -> qkv_proj -> rotary, K/V write   add_rms_norm_gemv_rope (a decode step's attention prologue,
                                                      models without q/k norm: the pair rows of a rotation in one
-                                                     warp, q out, k and v into the paged caches)
+                                                     block, q out, k and v into the paged caches)
 
 Numerics are those of gemv.py's references (fp32 accumulation, the same bf16 roundings); the sum order differs,
 so outputs match the references to about an ulp. Hopper and bf16 only (`usable`); NVRTC compiles each shape at
@@ -67,15 +67,12 @@ class CudaGemvConfig:
     warps: int = WARPS
 
 
-def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_tile: int = 1,
-                   pairs: bool = False) -> CudaGemvConfig:
+def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_tile: int = 1) -> CudaGemvConfig:
     """Rows a warp such that the grid fills whole waves of resident blocks (every block streams the same bytes,
     so a half-empty last wave idles half the GPU), then the widest step within LOADS_PER_LANE loads.
 
     H200 (132 SMs, 264 resident blocks), 8B shapes: qkv N=6144 -> 3 rows (256 blocks); o_proj N=4096 -> 2 rows
     (256); gate_up N=14336 with SiLU -> 1 row + its up row (1,792 blocks, 6.8 waves); down N=4096 K=14336 -> 2 rows.
-    pairs (the rotary fold): one pair of rows; qkv -> 384 blocks (rows 2 measured 13.18 us against 13.35 for 3 in
-    session 12's bench).
     """
     halves = 2 if silu else 1
     capacity = sm_count * BLOCKS_PER_SM
@@ -84,8 +81,7 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
         waves = math.ceil(n / (WARPS * rows)) / capacity
         return waves / math.ceil(waves)
 
-    choices = (2,) if pairs else (1, 2, 3, 4)
-    rows = max((r for r in choices if r * halves <= 4), key=lambda r: (round(fill(r), 2), r))
+    rows = max((r for r in (1, 2, 3, 4) if r * halves <= 4), key=lambda r: (round(fill(r), 2), r))
     per_row = k // 256
     loads = LOADS_PER_LANE if m_tile == 1 else LOADS_PER_LANE // 2
     u = max(d for d in range(1, max(1, loads // (rows * halves)) + 1) if per_row % d == 0)
@@ -103,11 +99,9 @@ def config_override(n: int, k: int) -> CudaGemvConfig | None:
 
 
 @functools.lru_cache(maxsize=None)
-def _config(device: int, n: int, k: int, silu: bool, m_tile: int, pairs: bool = False) -> CudaGemvConfig:
+def _config(device: int, n: int, k: int, silu: bool, m_tile: int) -> CudaGemvConfig:
     """The launch's config, once per shape (eager decode launches 4 a layer): the override, else the table."""
-    config = config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile, pairs)
-    assert not pairs or config.rows % 2 == 0, f"{config}: the rotary fold needs an even number of rows a warp"
-    return config
+    return config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
@@ -232,7 +226,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     res_out = torch.empty_like(x) if residual is not None else x
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
-    cfg = config or _config(device, n, k, silu, m_tile, rope is not None)
+    cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
     kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope)
     null = ctypes.c_void_p(0)

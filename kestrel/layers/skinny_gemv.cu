@@ -20,11 +20,12 @@
 // ROPE (the fused QKV projection of a decode step with the attention prologue folded in, models without q/k norm:
 // see below; HEAD_DIM, NUM_HEADS, NUM_KV_HEADS).
 //
-// ROPE: rotary pairs element i of a head with element i + HEAD_DIM / 2, so a warp owns pairs of rows instead of
-// consecutive ones: pair p = head * HALF + i is rows head * HEAD_DIM + i and + HALF. Its lane 0 then rotates the
-// pair at the token's position (q and k heads; HF's roundings, as attention_prologue.py) and writes q into
-// rope.q_out and k, v into the paged caches at the token's slot (-1: nothing written), so no prologue kernel
-// runs between this matmul and decode attention. Positions, slots and cos/sin are read right after the wait (the
+// ROPE: rotary pairs element i of a head with element i + HEAD_DIM / 2, so a block owns PAIRS = WARPS * ROWS / 2
+// pairs of rows instead of consecutive rows: pair p = head * HALF + i is rows head * HEAD_DIM + i and + HALF, and
+// the block's j-th row (warp j / ROWS, its row j % ROWS) is the (j % 2)-th row of its pair j / 2. The warps leave
+// their row sums in shared memory; one thread a (pair, token) then rotates the pair at the token's position (q and
+// k heads; HF's roundings, as attention_prologue.py) and writes q into rope.q_out and k, v into the paged caches
+// at the token's slot (-1: nothing written), so no prologue kernel runs between this matmul and decode attention. Positions, slots and cos/sin are read right after the wait (the
 // step's bookkeeping kernels write positions and slots), so their round trips hide under the matmul.
 //
 // PDL: before griddepcontrol.wait only weights are read (no kernel of the step writes them: the read-only path,
@@ -43,8 +44,9 @@
 #endif
 #if ROPE
 #define HALF (HEAD_DIM / 2)
-#if ROWS % 2 || SILU
-#error "ROPE needs whole pairs of rows a warp and no SiLU"
+#define PAIRS (WARPS * ROWS / 2)
+#if (WARPS * ROWS) % 2 || SILU || PAIRS * M_TILE > WARPS * 32
+#error "ROPE needs whole pairs of rows a block, a thread a (pair, token), and no SiLU"
 #endif
 #endif
 
@@ -171,8 +173,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
 #if ROPE
-    const int pair = n0 / 2 + r / 2;
-    row_of[r] = (pair / HALF) * HEAD_DIM + pair % HALF + (r % 2) * HALF;
+    const int j = warp * ROWS + r, pair = blockIdx.x * PAIRS + j / 2;
+    row_of[r] = (pair / HALF) * HEAD_DIM + pair % HALF + (j % 2) * HALF;
 #else
     row_of[r] = n0 + r;
 #endif
@@ -192,18 +194,17 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   pdl_wait_then_signal();
 
 #if ROPE   // the rotation's inputs, first thing after the wait: two dependent round trips under the matmul
-  float cos_at[ROWS / 2][M_TILE], sin_at[ROWS / 2][M_TILE];
-  long long slot_at[M_TILE];
-#pragma unroll
-  for (int m = 0; m < M_TILE; ++m) {
-    slot_at[m] = m < M ? rope.slots[m] : -1;
-    const float* cs = rope.cos_sin + (m < M ? rope.positions[m] : 0) * rope.stride_cos_sin;
-#pragma unroll
-    for (int j = 0; j < ROWS / 2; ++j) {
-      const int i = row_of[2 * j] % HEAD_DIM;   // < HALF
-      cos_at[j][m] = round_bf16(cs[i]);
-      sin_at[j][m] = round_bf16(cs[HALF + i]);
-    }
+  const int rope_pair = threadIdx.x % PAIRS, rope_m = threadIdx.x / PAIRS;   // this thread's (pair, token)
+  const int rope_pair_global = blockIdx.x * PAIRS + rope_pair;
+  const bool rotates = rope_m < M && rope_pair_global * 2 < N;
+  float rope_cos = 0.f, rope_sin = 0.f;
+  long long rope_slot = -1;
+  if (rotates) {
+    const float* cs = rope.cos_sin + rope.positions[rope_m] * rope.stride_cos_sin;
+    const int i = rope_pair_global % HALF;
+    rope_cos = round_bf16(cs[i]);
+    rope_sin = round_bf16(cs[HALF + i]);
+    rope_slot = rope.slots[rope_m];
   }
 #endif
 #if NORM
@@ -244,43 +245,43 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   for (int r = 0; r < WROWS; ++r)
 #pragma unroll
     for (int m = 0; m < M_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
-  if (lane != 0) return;
 #if ROPE
+  __shared__ float pair_sums[WARPS * ROWS][M_TILE];   // the block's row sums (+ bias), rounded to bf16
+  if (lane == 0) {
 #pragma unroll
-  for (int r = 0; r < ROWS; r += 2) {
-    const int n = row_of[r];
-    if (n >= N) break;
-    const int head = n / HEAD_DIM, i = n % HEAD_DIM;   // i < HALF: row n + HALF is the pair's second row
+    for (int r = 0; r < ROWS; ++r) {
+      const int n = min(row_of[r], N - 1);
 #pragma unroll
-    for (int m = 0; m < M_TILE; ++m) {
-      if (m >= M) break;
-      float x1 = round_bf16(acc[r][m] + (bias != nullptr ? lo((u32)bias[n]) : 0.f));
-      float x2 = round_bf16(acc[r + 1][m] + (bias != nullptr ? lo((u32)bias[n + HALF]) : 0.f));
-      if (head < NUM_HEADS + NUM_KV_HEADS) {         // q or k: rotate (cos/sin rounded to bf16, as HF)
-        const float c = cos_at[r / 2][m], sn = sin_at[r / 2][m];
-        const float r1 = round_bf16(x1 * c) - round_bf16(x2 * sn);
-        const float r2 = round_bf16(x2 * c) + round_bf16(x1 * sn);
-        x1 = r1;
-        x2 = r2;
-      }
-      if (head < NUM_HEADS) {
-        bf16_t* q = rope.q_out + m * rope.stride_q + head * HEAD_DIM + i;
-        q[0] = to_bf16(x1);
-        q[HALF] = to_bf16(x2);
-        continue;
-      }
-      const long long slot = slot_at[m];
-      if (slot < 0) continue;
-      const long long block = slot / rope.block_size, offset = slot % rope.block_size;
-      const bool is_k = head < NUM_HEADS + NUM_KV_HEADS;
-      const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
-      bf16_t* dst = is_k ? rope.k_cache + block * rope.stride_kb + offset * rope.stride_ko + kv_head * rope.stride_kh
-                         : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
-      dst[i] = to_bf16(x1);
-      dst[i + HALF] = to_bf16(x2);
+      for (int m = 0; m < M_TILE; ++m)
+        pair_sums[warp * ROWS + r][m] = round_bf16(acc[r][m] + (bias != nullptr ? lo((u32)bias[n]) : 0.f));
     }
   }
+  __syncthreads();
+  if (!rotates) return;
+  const int head = rope_pair_global / HALF, i = rope_pair_global % HALF;
+  float x1 = pair_sums[2 * rope_pair][rope_m], x2 = pair_sums[2 * rope_pair + 1][rope_m];
+  if (head < NUM_HEADS + NUM_KV_HEADS) {   // q or k: rotate (cos/sin rounded to bf16, as HF)
+    const float r1 = round_bf16(x1 * rope_cos) - round_bf16(x2 * rope_sin);
+    const float r2 = round_bf16(x2 * rope_cos) + round_bf16(x1 * rope_sin);
+    x1 = r1;
+    x2 = r2;
+  }
+  if (head < NUM_HEADS) {
+    bf16_t* q = rope.q_out + rope_m * rope.stride_q + head * HEAD_DIM + i;
+    q[0] = to_bf16(x1);
+    q[HALF] = to_bf16(x2);
+    return;
+  }
+  if (rope_slot < 0) return;
+  const long long block = rope_slot / rope.block_size, offset = rope_slot % rope.block_size;
+  const bool is_k = head < NUM_HEADS + NUM_KV_HEADS;
+  const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
+  bf16_t* dst = is_k ? rope.k_cache + block * rope.stride_kb + offset * rope.stride_ko + kv_head * rope.stride_kh
+                     : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
+  dst[0] = to_bf16(x1);
+  dst[HALF] = to_bf16(x2);
 #else
+  if (lane != 0) return;
 #pragma unroll
   for (int r = 0; r < ROWS; ++r) {
     const int n = n0 + r;
