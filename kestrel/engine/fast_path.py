@@ -127,7 +127,7 @@ def cuda_skinny(mode: str, triton_cap: int):
         return (x.shape[0] <= max_rows and low < weight.numel() * weight.element_size() <= high
                 and cuda_gemv.usable(x, weight, norm))
 
-    rope = os.environ.get("KESTREL_CUDA_GEMV_ROPE", "0") == "1"   # the attention prologue folded into qkv
+    rope = os.environ.get("KESTREL_CUDA_GEMV_ROPE", "1") == "1"   # the attention prologue folded into qkv
     return CudaSkinny(gemv=cuda_gemv.gemv, add_rms_norm_gemv=cuda_gemv.add_rms_norm_gemv,
                       add_rms_norm_gemv_silu=cuda_gemv.add_rms_norm_gemv_silu, use=use,
                       add_rms_norm_gemv_rope=cuda_gemv.add_rms_norm_gemv_rope if rope else None)

@@ -278,8 +278,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
   bf16_t* dst = is_k ? rope.k_cache + block * rope.stride_kb + offset * rope.stride_ko + kv_head * rope.stride_kh
                      : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
-  dst[0] = to_bf16(x1);
-  dst[HALF] = to_bf16(x2);
+  dst[i] = to_bf16(x1);
+  dst[i + HALF] = to_bf16(x2);
 #else
   if (lane != 0) return;
 #pragma unroll
