@@ -113,6 +113,7 @@ def test_engine_with_the_cuda_matmuls_on_and_off(checkpoint_factory, monkeypatch
     greedy tokens (bf16 near-ties aside)."""
     path = str(checkpoint_factory(arch, hidden_size=256, intermediate_size=512, head_dim=64))
     monkeypatch.setenv("KESTREL_CUDA_GEMV_MAX_ROWS", "4")   # the 4-sequence decode batches too
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_ROPE", "0")       # the matmuls alone (the fold: tests below)
     on, off = routed_tokens_on_and_off(path, monkeypatch, cuda_gemv, "add_rms_norm_gemv_silu",
                                        "KESTREL_CUDA_GEMV", "all", "0", dtype="bfloat16")
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
@@ -123,11 +124,9 @@ def test_engine_with_the_cuda_matmuls_on_and_off(checkpoint_factory, monkeypatch
 ROPE_SHAPES = {"8b": (4096, 32, 8, 128), "small": (256, 4, 2, 64)}   # K, heads, kv heads, head_dim
 
 
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
-def test_add_rms_norm_gemv_rope_matches_reference(shape, m):
-    """q, the written K/V and the residual stream against add_rms_norm_gemv_ref + the prologue's reference, at
-    random positions, one row's slot -1 (padding: nothing written) when m > 1, with bias on the small shape."""
+def _rope_case(shape: str, m: int, with_residual: bool = True):
+    """Inputs for add_rms_norm_gemv_rope at random positions; row 1's slot is -1 (padding) when m > 1; bias on
+    the small shape; two copies of random caches (kernel, reference)."""
     from kestrel.layers.rotary import RotaryEmbedding
 
     k, heads, kv_heads, dim = ROPE_SHAPES[shape]
@@ -136,31 +135,54 @@ def test_add_rms_norm_gemv_rope_matches_reference(shape, m):
     rotary = RotaryEmbedding(dim, 4096, 500000.0, None).cuda()
     gen = torch.Generator(device="cuda").manual_seed(m)
     positions = torch.randint(0, 4096, (m,), device="cuda", generator=gen)
-    blocks, block_size = 16, 16
-    slots = torch.randperm(blocks * block_size, device="cuda", generator=gen)[:m]
+    slots = torch.randperm(16 * 16, device="cuda", generator=gen)[:m]
     if m > 1:
         slots[1] = -1
-    caches = [torch.randn(blocks, block_size, kv_heads, dim, device="cuda", generator=gen).to(torch.bfloat16)
-              for _ in range(2)]
-    caches += [c.clone() for c in caches]   # the reference writes into copies of the same caches
-    args = (t["x"], t["residual"], t["norm_weight"], 1e-6, t["w"], t["bias"], positions, rotary.cos_sin_cache)
-    heads_args = (heads, kv_heads, dim)
-    q, res_out = cuda_gemv.add_rms_norm_gemv_rope(*args, caches[0], caches[1], slots, *heads_args)
-    want_q, want_res = cuda_gemv.add_rms_norm_gemv_rope_ref(*args, caches[2], caches[3], slots, *heads_args)
+    caches = [torch.randn(16, 16, kv_heads, dim, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
+    args = (t["x"], t["residual"] if with_residual else None, t["norm_weight"], 1e-6, t["w"], t["bias"],
+            positions, rotary.cos_sin_cache)
+    return args, caches, slots, (heads, kv_heads, dim)
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("shape", list(ROPE_SHAPES))
+def test_add_rms_norm_gemv_rope_is_the_projection_then_hf_rotary(shape, m):
+    """Bit-exact: the fold's q and K/V equal this kernel's own unrotated projection (add_rms_norm_gemv) put
+    through the torch prologue reference (HF's roundings: each product rounded to bf16, then the sum), and slot -1
+    writes nothing; the residual stream is bit-equal too."""
+    from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
+
+    args, caches, slots, heads = _rope_case(shape, m, with_residual=m != 2)
+    want_caches = [c.clone() for c in caches]
+    q, res_out = cuda_gemv.add_rms_norm_gemv_rope(*args, *caches, slots, *heads)
+    qkv, want_res = cuda_gemv.add_rms_norm_gemv(*args[:6])
+    want_q = qk_norm_rope_store_ref(qkv, None, None, 1e-6, args[6], args[7], *want_caches, slots, *heads)
+    assert torch.equal(q, want_q)
+    assert torch.equal(caches[0], want_caches[0]) and torch.equal(caches[1], want_caches[1])
+    assert torch.equal(res_out, want_res) if args[1] is not None else res_out is args[0]
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_add_rms_norm_gemv_rope_matches_the_torch_reference(m):
+    """End to end against add_rms_norm_gemv_ref + the prologue reference (torch's matmul sums in another order,
+    so mostly bit-equal, as the other matmul tests)."""
+    args, caches, slots, heads = _rope_case("8b", m)
+    want_caches = [c.clone() for c in caches]
+    q, _ = cuda_gemv.add_rms_norm_gemv_rope(*args, *caches, slots, *heads)
+    want_q, _ = cuda_gemv.add_rms_norm_gemv_rope_ref(*args, *want_caches, slots, *heads)
     mostly_bit_equal(q, want_q)
-    assert torch.equal(res_out, want_res)
-    for got, want in ((caches[0], caches[2]), (caches[1], caches[3])):
-        mostly_bit_equal(got.view(-1, kv_heads, dim)[slots[slots >= 0]], want.view(-1, kv_heads, dim)[slots[slots >= 0]])
-        untouched = torch.ones(blocks * block_size, dtype=torch.bool, device="cuda")
-        untouched[slots[slots >= 0]] = False
-        assert torch.equal(got.view(-1, kv_heads, dim)[untouched], want.view(-1, kv_heads, dim)[untouched])
+    written = slots[slots >= 0]
+    for got, want in zip(caches, want_caches):
+        mostly_bit_equal(got.flatten(0, 1)[written], want.flatten(0, 1)[written])
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: qkv bias
 def test_engine_with_the_prologue_folded_into_qkv_on_and_off(checkpoint_factory, monkeypatch, arch):
     """Every decode step's QKV projection with rotary and the K/V write folded in (KESTREL_CUDA_GEMV_ROPE=1, the
-    matmuls on the CUDA kernels for every weight and batch) against the same engine with the prologue kernel:
-    greedy tokens (bf16 near-ties aside)."""
+    matmuls on the CUDA kernels for every weight and batch) against the same engine with the Triton prologue
+    kernel. The two round rotary differently (the fold as HF, bit-exact above; the Triton prologue differs in
+    ~20% of q/k elements by an ulp, session 13 call 7), so random bf16 models drift apart at near-ties: routed,
+    and most greedy tokens identical."""
     path = str(checkpoint_factory(arch, hidden_size=256, intermediate_size=512, head_dim=64))
     monkeypatch.setenv("KESTREL_CUDA_GEMV", "all")
     monkeypatch.setenv("KESTREL_CUDA_GEMV_MAX_ROWS", "4")
@@ -168,4 +190,4 @@ def test_engine_with_the_prologue_folded_into_qkv_on_and_off(checkpoint_factory,
                                        "KESTREL_CUDA_GEMV_ROPE", "1", "0", dtype="bfloat16")
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"prologue folded into qkv, {arch}: {same:.1%} of greedy tokens identical")
-    assert all(x[:2] == y[:2] for x, y in zip(on, off)) and same > 0.5
+    assert all(x[0] == y[0] for x, y in zip(on, off)) and same > 0.5   # the first token comes from prefill
