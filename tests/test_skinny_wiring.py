@@ -9,8 +9,10 @@ import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
 from kestrel.layers.norm import rms_norm_torch
-from kestrel.layers.cuda_gemv import add_rms_norm_gemv_silu_ref
+from kestrel.layers.cuda_gemv import add_rms_norm_gemv_rope_ref, add_rms_norm_gemv_silu_ref
 from kestrel.layers.skinny import CudaSkinny, SkinnyMatmuls
+from kestrel.engine.fast_path import enable_fused_attn_prologue
+from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
 from kestrel.models.llama import DecoderLayer
 
 
@@ -25,7 +27,7 @@ def _silu_mul_linear(gate_up, w, bias=None):
 
 
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
-@pytest.mark.parametrize("choice", ["all", "none", "mixed", "cuda"])
+@pytest.mark.parametrize("choice", ["all", "none", "mixed", "cuda", "cuda_rope"])
 def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     path = str(checkpoint_factory(arch))
     prompts = ["def f(x):", "import os\nimport sys", "x"]
@@ -34,16 +36,26 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     expected = [o.outputs[0].token_ids for o in plain.generate(prompts, params)]
     ref_logits = plain.engine.prompt_logits([5, 6, 7])
     use = {"all": lambda m, n, k: True, "none": lambda m, n, k: False, "mixed": lambda m, n, k: n > k,
-           "cuda": lambda m, n, k: False}[choice]
+           "cuda": lambda m, n, k: False, "cuda_rope": lambda m, n, k: False}[choice]
     calls = []
-    # "cuda": every matmul through the CudaSkinny slots (SiLU-mul folded into gate_up, down a plain matmul)
+    # "cuda": every matmul through the CudaSkinny slots (SiLU-mul folded into gate_up, down a plain matmul);
+    # "cuda_rope": also the attention prologue, through the fused-prologue path, folded into the QKV projection
+    # on decode steps of models without q/k norm (llama, qwen2; qwen3 keeps the prologue)
+    def rope(*args, **kw):
+        calls.append("rope")
+        return add_rms_norm_gemv_rope_ref(*args, **kw)
+
     cuda = CudaSkinny(gemv=lambda x, w, b=None: calls.append("cuda") or F.linear(x, w, b),
                       add_rms_norm_gemv=_add_rms_norm_linear, add_rms_norm_gemv_silu=add_rms_norm_gemv_silu_ref,
-                      use=lambda x, w, norm: True) if choice == "cuda" else None
+                      use=lambda x, w, norm: True,
+                      add_rms_norm_gemv_rope=rope if choice == "cuda_rope" else None) \
+        if choice.startswith("cuda") else None
     skinny = SkinnyMatmuls(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
                            add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use,
                            cuda=cuda)
     llm = LLM(model=path, device="cpu")
+    if choice == "cuda_rope":
+        enable_fused_attn_prologue(llm.engine.runner.model, llm.engine.runner.backend, qk_norm_rope_store_ref)
     for module in llm.engine.runner.model.modules():
         if isinstance(module, DecoderLayer):
             module.skinny = skinny
@@ -51,7 +63,8 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     assert got == expected
     torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
     # o_proj is square-ish: only "all" sends it to gemv; "cuda" sends o_proj and down_proj to its gemv
-    assert set(calls) == {"all": {"gemv"}, "cuda": {"cuda"}}.get(choice, set())
+    folds = {"cuda"} if arch == "qwen3" else {"cuda", "rope"}
+    assert set(calls) == {"all": {"gemv"}, "cuda": {"cuda"}, "cuda_rope": folds}.get(choice, set())
 
 
 @pytest.mark.parametrize("cap_mb,triton_for_8b_qkv", [(None, False), ("64", True)])
