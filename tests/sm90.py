@@ -3,9 +3,9 @@ into a cubin, so a kernel that cannot build for Hopper fails here, before any de
 from __future__ import annotations
 
 
-def compile_for_sm90(fn, constexprs: dict, types: dict[str, str]) -> str:
-    """PTX of `fn` for sm_90. Arguments not in `constexprs` take their type from `types` by name, else by
-    suffix: *_ptr '*bf16', anything else 'i32'."""
+def compile_for_sm90(fn, constexprs: dict, types: dict[str, str], options: dict | None = None) -> str:
+    """PTX of `fn` for sm_90 (with the launch's compile `options`, e.g. enable_fp_fusion). Arguments not in
+    `constexprs` take their type from `types` by name, else by suffix: *_ptr '*bf16', anything else 'i32'."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -21,4 +21,4 @@ def compile_for_sm90(fn, constexprs: dict, types: dict[str, str]) -> str:
         else:
             signature[name] = "i32"
     src = ASTSource(fn=fn, signature=signature, constexprs=constexprs)
-    return triton.compile(src, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options).asm["ptx"]

@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from kestrel.attention import torch_ref
-from kestrel.layers.fused_ops import apply_rotary_ref, rms_norm_ref
+from kestrel.layers.fused_ops import HF_ROUNDING, apply_rotary_ref, rms_norm_ref
 from kestrel.layers.pdl import launch_options, pdl_wait
 
 
@@ -213,7 +213,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
         num_warps=1 if head_dim <= 128 else 2, PREFETCH=prefetch_rotary_before_wait(),
-        **launch_options(qkv.device),
+        **launch_options(qkv.device), **HF_ROUNDING,
     )
     return q
 

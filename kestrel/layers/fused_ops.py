@@ -17,6 +17,13 @@ import triton.language as tl
 
 from kestrel.layers.pdl import launch_options, pdl_wait
 
+# Launch keywords for kernels that must round as HF does: each 16-bit product rounded before the sum
+# (x * cos + rotate_half(x) * sin). By default Triton contracts a multiply and the add after it into one
+# fma.rn.bf16, which rounds once: the attention prologue's q then differed from HF's in 16-19% of its elements by an
+# ulp (H200, session 13). With contraction off the PTX holds mul.rn.bf16 then add/sub.rn.bf16
+# (tests/test_sm90_builds.py).
+HF_ROUNDING = {"enable_fp_fusion": False}
+
 # ---------------------------------------------------------------------------------------------------------------
 # RMSNorm, optionally fused with the residual add
 # ---------------------------------------------------------------------------------------------------------------
@@ -208,6 +215,6 @@ def apply_rotary(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_
         num_q_heads, k.shape[1],
         HALF=half, BLOCK_HALF=triton.next_power_of_2(half),
         BLOCK_HQ=triton.next_power_of_2(num_q_heads), BLOCK_HK=triton.next_power_of_2(k.shape[1]),
-        num_warps=4,
+        num_warps=4, **HF_ROUNDING,
     )
     return q, k

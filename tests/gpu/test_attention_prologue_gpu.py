@@ -39,12 +39,16 @@ def _cuda_inputs(tokens, shape, block_size, dtype, seed):
             (num_heads, num_kv_heads, head_dim))
 
 
-def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor) -> None:
-    # Compiled Triton contracts multiply-adds into FMAs where the reference rounds each product to the model
-    # dtype (HF's rotate_half arithmetic), so on the H200 ~80% of 16-bit outputs are bit-equal (all within
-    # assert_close's few-ulp tolerance): this guards against a kernel that is merely close everywhere.
+def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor, qk_norm: bool) -> None:
+    # By default compiled Triton contracted each product and the sum after it into one FMA, where the reference
+    # rounds each product to the model dtype (HF's rotate_half arithmetic): ~80% of 16-bit outputs were
+    # bit-equal (sessions 5-13). The launch now turns contraction off (fused_ops.HF_ROUNDING; the PTX is checked
+    # in tests/test_sm90_builds.py), so the rotary is HF's bit for bit except where a bf16 add rounds once and
+    # torch's f32 add-then-cast twice (rare). The q/k norm's fp32 sum of squares still runs in another order
+    # than torch's, so normed shapes keep the old bar. [Session 13: written after the device time was spent;
+    # not yet run on the GPU.]
     if got.dtype != torch.float32:
-        assert (got == want).float().mean().item() > 0.7
+        assert (got == want).float().mean().item() > (0.7 if qk_norm else 0.99)
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
@@ -61,8 +65,8 @@ def test_kernel_matches_reference(dtype, shape, tokens, block_size):
     assert_close(q, want_q)
     assert_close(k_cache, want_k)
     assert torch.equal(v_cache, want_v)
-    _mostly_bit_equal(q, want_q)
-    _mostly_bit_equal(k_cache, want_k)
+    _mostly_bit_equal(q, want_q, SHAPES[shape][3])
+    _mostly_bit_equal(k_cache, want_k, SHAPES[shape][3])
 
 
 def test_kernel_captured_in_a_cuda_graph_replays_new_tokens_positions_and_slots():
