@@ -133,6 +133,13 @@ def _driver() -> ctypes.CDLL:
     return lib
 
 
+def device_attribute(device: int, attribute: int) -> int:
+    """cuDeviceGetAttribute (e.g. 13: the SM clock rate in kHz)."""
+    value = ctypes.c_int()
+    _check(_driver().cuDeviceGetAttribute(ctypes.byref(value), attribute, device), "cuDeviceGetAttribute")
+    return value.value
+
+
 def _check(status: int, what: str) -> None:
     if status != 0:
         text = ctypes.c_char_p()

@@ -22,6 +22,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 #   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
 #   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
 #   cudagemv: the CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)
+#   timeline: the cluster decode kernel's segments, timed inside it (benchmarks/decode_timeline.py)
 #   boundary: a dependent chain of phases: kernel boundaries vs grid barriers, and weights streamed ahead (benchmarks/boundary_bench.py)
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
@@ -54,6 +55,10 @@ fi
 if [[ $STAGES == *" cudagemv "* ]]; then
   step "CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)"
   timeout ${CUDA_GEMV_TIMEOUT:-180} python3 -m benchmarks.cuda_gemv_bench --out "$OUT/cuda_gemv.json" 2>> "$LOG" | tee -a "$LOG"
+fi
+if [[ $STAGES == *" timeline "* ]]; then
+  step "cluster decode, timed inside the kernel (benchmarks/decode_timeline.py)"
+  timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.decode_timeline --out "$OUT/decode_timeline.json" 2>> "$LOG" | tee -a "$LOG"
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then

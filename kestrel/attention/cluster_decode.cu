@@ -36,6 +36,19 @@
 #ifndef MERGE
 #define MERGE 1
 #endif
+#ifndef STAMPS
+#define STAMPS 0
+#endif
+// STAMPS=1 (benchmarks/decode_timeline.py only): thread 0 of each program records clock64() at NUM_STAMPS points
+// (entry, after the wait, after the first attend step, after the later chunks, after the slot merge, after the
+// first cluster barrier, after the output stores, at the end) and %globaltimer at entry and end, into the extra
+// last argument stamps[program][NUM_STAMPS + 2].
+#define NUM_STAMPS 8
+#if STAMPS
+#define STAMP(i) do { if (threadIdx.x == 0) clocks[i] = clock64(); } while (0)
+#else
+#define STAMP(i) do { } while (0)
+#endif
 
 #include "kestrel_cuda.cuh"
 
@@ -161,7 +174,17 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
                long long stride_qs, long long stride_qh,
                long long stride_kb, long long stride_ko, long long stride_kh,
                long long stride_vb, long long stride_vo, long long stride_vh,
-               long long stride_bt, long long stride_os, long long stride_oh) {
+               long long stride_bt, long long stride_os, long long stride_oh
+#if STAMPS
+               , long long* stamps
+#endif
+               ) {
+#if STAMPS
+  long long clocks[NUM_STAMPS];
+  unsigned long long wall_start;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(wall_start));
+#endif
+  STAMP(0);
   __shared__ float slot_acc[SLOTS][GROUP][HEAD_DIM];
   __shared__ float slot_m[SLOTS][GROUP];
   __shared__ float slot_l[SLOTS][GROUP];
@@ -194,6 +217,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   }
 
   pdl_wait_then_signal();
+  STAMP(1);
 
   float q[GROUP][DIMS_PER_LANE];
 #pragma unroll
@@ -223,6 +247,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     for (int e = 0; e < DIMS_PER_LANE; ++e) acc[g][e] = 0.f;
   }
   attend(q, k, v, start + slot, end, m, l, acc);
+  STAMP(2);
   // Longer slices: PREFETCH keys a slot at a time, read after the wait (the loop bound is the same for the whole
   // program, so every lane of a slot reaches the shuffles).
   for (int base = start + PREFETCH * SLOTS; base < end; base += PREFETCH * SLOTS) {
@@ -233,6 +258,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     }
     attend(q, k, v, base + slot, end, m, l, acc);
   }
+  STAMP(3);
 
   // Slots -> program.
 #pragma unroll
@@ -271,8 +297,10 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   return;
 #endif
   // Programs -> output, through the peers' shared memory.
+  STAMP(4);
   cluster_arrive();
   cluster_wait();
+  STAMP(5);
   for (int idx = threadIdx.x; idx < OUT_PER_PROGRAM; idx += THREADS) {
     const int e = rank * OUT_PER_PROGRAM + idx;
     const int g = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -302,8 +330,20 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     }
     out_ptr[seq * stride_os + (kv_head * GROUP + g) * stride_oh + d] = to_bf16(result);
   }
+  STAMP(6);
   // No program leaves while a peer may still read its shared memory. Every peer value was used above, so every
   // read has completed; a relaxed arrive does not make the output stores wait to become visible first.
   cluster_arrive_relaxed();
   cluster_wait();
+  STAMP(7);
+#if STAMPS
+  if (threadIdx.x == 0) {
+    unsigned long long wall_end;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(wall_end));
+    long long* row = stamps + (blockIdx.y * gridDim.x + blockIdx.x) * (NUM_STAMPS + 2);
+    for (int i = 0; i < NUM_STAMPS; ++i) row[i] = clocks[i];
+    row[NUM_STAMPS] = (long long)wall_start;
+    row[NUM_STAMPS + 1] = (long long)wall_end;
+  }
+#endif
 }

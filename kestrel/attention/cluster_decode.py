@@ -135,10 +135,16 @@ def decode_attention(
     group = num_heads // num_kv_heads
     warps = num_warps(group, head_dim)
     kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64, warps)
+    kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32,
+                  launch_args(q, k_cache, v_cache, block_table, kv_lens, out, scale),
+                  torch.cuda.current_stream(q.device), cluster=cluster, pdl=pdl_enabled(q.device))
+    return out
+
+
+def launch_args(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                kv_lens: torch.Tensor, out: torch.Tensor, scale: float) -> list:
+    """The kernel's arguments in its parameter order (ctypes values)."""
     pointers = [ctypes.c_void_p(t.data_ptr()) for t in (q, k_cache, v_cache, block_table, kv_lens, out)]
     strides = [q.stride(0), q.stride(1), *k_cache.stride()[:3], *v_cache.stride()[:3], block_table.stride(0),
                out.stride(0), out.stride(1)]
-    args = [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides]]
-    kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32, args, torch.cuda.current_stream(q.device),
-                  cluster=cluster, pdl=pdl_enabled(q.device))
-    return out
+    return [*pointers, ctypes.c_float(scale * LOG2E), *[ctypes.c_longlong(s) for s in strides]]
