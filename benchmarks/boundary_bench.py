@@ -38,7 +38,6 @@ result is checked: after PHASES phases every value has grown by exactly PHASES.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
@@ -46,6 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
+from benchmarks import write_json
 from benchmarks.gemv_bench import replay_time_us
 from kestrel.layers.pdl import launch_options, pdl_wait
 
@@ -264,9 +264,7 @@ def main() -> int:
         print("\n| 2 MB a phase, 256 programs x 4 rows | plain us | mv us | mv_rep us |\n|---|---|---|---|")
         print(f"| per phase | {mv['plain_us_per_phase']:.2f} | {mv['mv_us_per_phase']:.2f} | "
               f"{mv['mv_rep_us_per_phase']:.2f} |", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(rows, f, indent=1)
+    write_json(args.out, rows)
     return 0
 
 

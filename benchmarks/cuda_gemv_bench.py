@@ -14,12 +14,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_json
 from benchmarks.gemv_bench import EPS, bench_all, graph_time_us
 from kestrel.layers import cuda_gemv, fused_ops
 
@@ -96,12 +96,10 @@ def main() -> None:
                      bench, lambda r: f"cublas {r['cublas_us']:.2f} us, cuda {r['cuda_default_us']:.2f} "
                                       f"(best {r['cuda_best']} {r['cuda_best_us']:.2f})")
     print_table(rows)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "rows": rows,
-                   "configs": {name: dataclasses.asdict(cuda_gemv.default_config(
-                       n // 2 if fold == "norm_silu" else n, k, fold == "norm_silu"))
-                       for name, (k, n, fold) in SHAPES.items()}},
-                  f, indent=1)
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "rows": rows,
+                          "configs": {name: dataclasses.asdict(cuda_gemv.default_config(
+                              n // 2 if fold == "norm_silu" else n, k, fold == "norm_silu"))
+                              for name, (k, n, fold) in SHAPES.items()}})
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
 
 

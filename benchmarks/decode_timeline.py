@@ -24,11 +24,11 @@ from __future__ import annotations
 
 import argparse
 import ctypes
-import json
 import statistics
 
 import torch
 
+from benchmarks import write_json
 from kestrel import cuda_rtc
 from kestrel.attention import cluster_decode
 
@@ -103,9 +103,7 @@ def main() -> int:
             us = [c / mhz for c in cycles.values()]
             print(f"| {shape} | {kv_len} | " + " | ".join(f"{u:.2f}" for u in us)
                   + f" | {sum(us[1:]):.2f} | {row['span_ns'] / 1000:.2f} |", flush=True)
-    if args.out:
-        with open(args.out, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.out, results)
     return 0
 
 

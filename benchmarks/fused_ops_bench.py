@@ -16,11 +16,11 @@ compiled result is checked against the Triton one first. Prints a markdown table
 from __future__ import annotations
 
 import argparse
-import json
 from typing import Callable
 
 import torch
 
+from benchmarks import write_json
 from benchmarks.gemv_bench import graph_time_us
 from kestrel.attention import torch_ref
 from kestrel.layers import fused_ops
@@ -114,10 +114,7 @@ def main() -> int:
     print("|---|---|---|---|---|---|---|")
 
     def save(rows: list[dict]) -> None:
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump({"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows}, f,
-                          indent=1)
+        write_json(args.out, {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows})
 
     bench(args.models.split(","), tuple(int(t) for t in args.tokens.split(",")), save,
           set(args.ops.split(",")) if args.ops else None)

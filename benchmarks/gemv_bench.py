@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import time
 from typing import Callable
 
 import torch
 import torch.nn.functional as F
 
+from benchmarks import write_json
 from kestrel.layers import fused_ops
 from kestrel.layers.gemv import GemvConfig, add_rms_norm_gemv, default_config, gemv, silu_mul_gemv
 
@@ -166,8 +166,7 @@ def main() -> None:
                      lambda name, m, weights: bench_shape(name, m, weights, args.alts),
                      lambda r: f"cublas {r['cublas_us']:.2f} us, gemv {r['gemv_us']:.2f} us")
     print_table(rows)
-    with open(args.out, "w") as f:
-        json.dump({"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": rows}, f, indent=1)
+    write_json(args.out, {"device": torch.cuda.get_device_name(), "calls_per_graph": CALLS, "rows": rows})
     print(f"wrote {args.out} in {time.perf_counter() - t0:.0f} s")
 
 
