@@ -39,10 +39,8 @@ CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13   # kHz
 
 
 def stamped_kernel(group: int, head_dim: int, cluster: int, block_size: int, device: int) -> cuda_rtc.Kernel:
-    warps = cluster_decode.num_warps(group, head_dim)
-    defines = {**cluster_decode.defines(group, head_dim, cluster, block_size, True, warps), "STAMPS": 1}
-    compiled = cuda_rtc.compile_cubin(cluster_decode.SOURCE.read_text(), "cluster_decode",
-                                      cuda_rtc.device_arch(device), defines)
+    compiled = cluster_decode.compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device),
+                                             index64=True, extra={"STAMPS": 1})
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device), non_portable_cluster=cluster > 8)
 
 

@@ -72,9 +72,7 @@ def test_the_kernel_is_on_by_default_but_never_on_cpu(monkeypatch):
 def test_the_timeline_build_only_adds_clock_reads():
     """STAMPS=1 (benchmarks/decode_timeline.py) builds without spills; the default build reads no clock."""
     from kestrel import cuda_rtc
-    defines = cluster_decode.defines(4, 128, 8, 16, True, cluster_decode.num_warps(4, 128))
-    stamped = cuda_rtc.compile_cubin(cluster_decode.SOURCE.read_text(), "cluster_decode", "sm_90",
-                                     {**defines, "STAMPS": 1})
+    stamped = cluster_decode.compile_kernel(4, 128, 8, 16, index64=True, extra={"STAMPS": 1})
     assert stamped.spill_bytes() == 0 and stamped.ptx.count("%clock64") >= 8 and "%globaltimer" in stamped.ptx
-    plain = cuda_rtc.compile_cubin(cluster_decode.SOURCE.read_text(), "cluster_decode", "sm_90", defines)
+    plain = cluster_decode.compile_kernel(4, 128, 8, 16, index64=True)
     assert "%clock64" not in plain.ptx and "%globaltimer" not in plain.ptx

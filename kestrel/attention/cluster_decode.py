@@ -99,10 +99,12 @@ def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: b
 
 
 def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",
-                   index64: bool = False, warps: int | None = None) -> cuda_rtc.Compiled:
+                   index64: bool = False, warps: int | None = None, extra: dict[str, int] | None = None
+                   ) -> cuda_rtc.Compiled:
+    """extra: defines past the shape's (e.g. STAMPS=1 for benchmarks/decode_timeline.py)."""
     warps = warps or num_warps(group, head_dim)
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch,
-                                  defines(group, head_dim, cluster, block_size, index64, warps))
+                                  {**defines(group, head_dim, cluster, block_size, index64, warps), **(extra or {})})
 
 
 @functools.lru_cache(maxsize=None)

@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel import cuda_rtc
+from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
 from kestrel.layers.gemv import add_rms_norm_gemv_ref
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled, sm_count
 
@@ -194,7 +195,6 @@ def add_rms_norm_gemv_rope_ref(x: torch.Tensor, residual: torch.Tensor | None, n
                                cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                                slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
                                ) -> tuple[torch.Tensor, torch.Tensor]:
-    from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
     qkv, h = add_rms_norm_gemv_ref(x, residual, norm_weight, eps, w, bias)
     q = qk_norm_rope_store_ref(qkv, None, None, eps, positions[: x.shape[0]], cos_sin_cache, k_cache, v_cache,
                                slot_mapping[: x.shape[0]], num_heads, num_kv_heads, head_dim)
@@ -211,7 +211,8 @@ def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, n
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None,
-            rope: RopeShape | None = None, rope_args: RopeArgs | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+            rope: RopeShape | None = None, rope_args: RopeArgs | None = None
+            ) -> tuple[torch.Tensor | None, torch.Tensor]:
     m, k = x.shape
     assert w.shape[1] == k and m <= MAX_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}: K must match, M <= {MAX_M}"
     assert k % 256 == 0 and x.dtype == w.dtype == torch.bfloat16, "bf16, K a multiple of 256"
@@ -222,7 +223,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
         assert norm_weight is not None and norm_weight.shape == (k,) and norm_weight.is_contiguous()
     if residual is not None:
         assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1
-    out = torch.empty(m, n if rope is None else 0, dtype=x.dtype, device=x.device)   # ROPE writes elsewhere
+    out = torch.empty(m, n, dtype=x.dtype, device=x.device) if rope is None else None   # ROPE writes elsewhere
     res_out = torch.empty_like(x) if residual is not None else x
     device = device_index(x.device)
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
@@ -238,7 +239,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             ptr(residual), ctypes.c_longlong(residual.stride(0) if residual is not None else 0),
             ptr(res_out if residual is not None else None), ctypes.c_longlong(res_out.stride(0)),
             ptr(norm_weight), ctypes.c_float(eps),
-            ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias), ptr(out), ctypes.c_longlong(out.stride(0)),
+            ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias), ptr(out), ctypes.c_longlong(out.stride(0) if out is not None else 0),
             ctypes.c_int(m), ctypes.c_int(n), rope_args if rope_args is not None else RopeArgs()]
     grid = math.ceil(n / (cfg.warps * cfg.rows))
     kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),
