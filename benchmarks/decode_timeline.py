@@ -38,14 +38,16 @@ SHAPES = {"llama-3.1-8b": (8, 4, 128), "qwen3-0.6b": (8, 2, 128)}   # kv heads, 
 CU_DEVICE_ATTRIBUTE_CLOCK_RATE = 13   # kHz
 
 
-def stamped_kernel(group: int, head_dim: int, cluster: int, block_size: int, device: int) -> cuda_rtc.Kernel:
+def stamped_kernel(group: int, head_dim: int, cluster: int, block_size: int, device: int,
+                   tensor_cores: bool) -> cuda_rtc.Kernel:
     compiled = cluster_decode.compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device),
-                                             index64=True, extra={"STAMPS": 1})
+                                             index64=True, extra={"STAMPS": 1}, tensor_cores=tensor_cores)
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device), non_portable_cluster=cluster > 8)
 
 
-def timeline(shape: str, kv_len: int, repeats: int, block_size: int = 16) -> dict:
-    """Median cycles of each segment over every program of `repeats` launches at one context length."""
+def timeline(shape: str, kv_len: int, repeats: int, tensor_cores: bool, block_size: int = 16) -> dict:
+    """Median cycles of each segment over every program of `repeats` launches at one context length, on the
+    CUDA-core or the tensor-core build."""
     num_kv_heads, group, head_dim = SHAPES[shape]
     cluster = cluster_decode.cluster_size() or 8
     device = torch.cuda.current_device()
@@ -59,10 +61,10 @@ def timeline(shape: str, kv_len: int, repeats: int, block_size: int = 16) -> dic
     out = torch.empty_like(q)
     programs = num_kv_heads * cluster
     stamps = torch.zeros(programs, STAMP_COLUMNS, dtype=torch.int64, device="cuda")
-    kernel = stamped_kernel(group, head_dim, cluster, block_size, device)
+    kernel = stamped_kernel(group, head_dim, cluster, block_size, device, tensor_cores)
     args = cluster_decode.launch_args(q, k_cache, v_cache, table, lens, out, head_dim ** -0.5)
     args.append(ctypes.c_void_p(stamps.data_ptr()))
-    warps = cluster_decode.num_warps(group, head_dim)
+    warps = cluster_decode.num_warps(group, head_dim, tensor_cores)
     stream = torch.cuda.current_stream()
     per_segment: list[list[int]] = [[] for _ in SEGMENTS]
     spans = []
@@ -76,7 +78,8 @@ def timeline(shape: str, kv_len: int, repeats: int, block_size: int = 16) -> dic
             for s in range(len(SEGMENTS)):
                 per_segment[s].append(row[s + 1] - row[s])
         spans.append(max(r[-1] for r in rows) - min(r[-2] for r in rows))
-    want = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5)
+    want = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5,
+                                           tensor_cores=tensor_cores)
     assert torch.equal(out, want), "the stamped build computed something else"
     return {"cycles": {name: statistics.median(v) for name, v in zip(SEGMENTS, per_segment)},
             "span_ns": statistics.median(spans)}
@@ -86,21 +89,23 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--contexts", default="128,256,384,1024,4096")
     parser.add_argument("--repeats", type=int, default=50)
+    parser.add_argument("--builds", default="cuda-cores,tensor-cores", help="KESTREL_CLUSTER_DECODE_MMA=0 / =1")
     parser.add_argument("--out")
     args = parser.parse_args()
     mhz = cuda_rtc.device_attribute(torch.cuda.current_device(), CU_DEVICE_ATTRIBUTE_CLOCK_RATE) / 1000
     results = {"gpu": torch.cuda.get_device_name(), "sm_clock_mhz": mhz, "rows": []}
     print(f"cluster decode, one sequence, stamps by program thread 0; us at {mhz:.0f} MHz")
-    print("| shape | context | " + " | ".join(SEGMENTS) + " | total us | launch span us |")
-    print("|---|---|" + "---|" * (len(SEGMENTS) + 2))
+    print("| shape | build | context | " + " | ".join(SEGMENTS) + " | total us | launch span us |")
+    print("|---|---|---|" + "---|" * (len(SEGMENTS) + 2))
     for shape in SHAPES:
-        for kv_len in map(int, args.contexts.split(",")):
-            row = timeline(shape, kv_len, args.repeats)
-            cycles = row["cycles"]
-            results["rows"].append({"shape": shape, "context": kv_len, **row})
-            us = [c / mhz for c in cycles.values()]
-            print(f"| {shape} | {kv_len} | " + " | ".join(f"{u:.2f}" for u in us)
-                  + f" | {sum(us[1:]):.2f} | {row['span_ns'] / 1000:.2f} |", flush=True)
+        for build in args.builds.split(","):
+            for kv_len in map(int, args.contexts.split(",")):
+                row = timeline(shape, kv_len, args.repeats, tensor_cores=build == "tensor-cores")
+                cycles = row["cycles"]
+                results["rows"].append({"shape": shape, "build": build, "context": kv_len, **row})
+                us = [c / mhz for c in cycles.values()]
+                print(f"| {shape} | {build} | {kv_len} | " + " | ".join(f"{u:.2f}" for u in us)
+                      + f" | {sum(us[1:]):.2f} | {row['span_ns'] / 1000:.2f} |", flush=True)
     write_json(args.out, results)
     return 0
 

@@ -23,6 +23,12 @@ __device__ __forceinline__ bf16_t to_bf16(float f) {   // round to nearest even,
   return (bf16_t)(u >> 16);
 }
 
+__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
+
+__device__ __forceinline__ u32 pack(float a, float b) {   // two bf16 in one word, a in the low half
+  return (u32)to_bf16(a) | ((u32)to_bf16(b) << 16);
+}
+
 // Wait for the kernel before this one (its writes visible), then let the next kernel launch (layers/pdl.py).
 __device__ __forceinline__ void pdl_wait_then_signal() {
   asm volatile("griddepcontrol.wait;" ::: "memory");

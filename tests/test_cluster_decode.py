@@ -22,7 +22,7 @@ def _loads(ptx: str) -> Counter:
 @needs_nvrtc
 @pytest.mark.parametrize("group,cluster,index64", [(2, 8, True), (4, 8, True), (2, 16, False), (8, 2, False)])
 def test_the_kernel_builds_for_hopper_without_spills(group, cluster, index64):   # Qwen3-0.6B, Llama-3.1-8B, ...
-    built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90", index64)
+    built = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90", index64, tensor_cores=False)
     assert built.spill_bytes() == 0, built.log
     warps = cluster_decode.num_warps(group, 128)
     assert f"{cluster_decode.shared_bytes(warps, group, 128)} bytes smem" in built.log
@@ -34,7 +34,7 @@ def test_the_kernel_builds_for_hopper_without_spills(group, cluster, index64):  
 @needs_nvrtc
 def test_kv_is_read_before_the_pdl_wait_and_the_merge_goes_through_peers_shared_memory():
     group, cluster = 2, 8
-    ptx = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90").ptx
+    ptx = cluster_decode.compile_kernel(group, 128, cluster, 16, "sm_90", tensor_cores=False).ptx
     wait = ptx.index("griddepcontrol.wait")
     before, after = _loads(ptx[:wait]), _loads(ptx[wait:])
     # one 16-byte K and one V load per prefetched key (8 dims a lane at head_dim 128), issued before the wait
@@ -48,6 +48,40 @@ def test_kv_is_read_before_the_pdl_wait_and_the_merge_goes_through_peers_shared_
     assert ptx.count("barrier.cluster.wait.acquire") == 2
     assert ptx.index("griddepcontrol.launch_dependents") > wait
     assert "atom." not in ptx and "membar" not in ptx and "fence" not in ptx
+
+
+@needs_nvrtc
+@pytest.mark.parametrize("group,head_dim", [(2, 128), (4, 128), (1, 64), (8, 64), (8, 128)])
+def test_the_tensor_core_build_fits_in_registers(group, head_dim):
+    """KESTREL_CLUSTER_DECODE_MMA=1 at the real models' shapes and the GQA and head-dim ends: no spills, 4 warps,
+    and the tiles' MMAs (scores: 2 n-tiles x head_dim / 16 k-steps; output: head_dim / 16 m-tiles, a tile)."""
+    tile_count = cluster_decode.tiles(head_dim)
+    built = cluster_decode.compile_kernel(group, head_dim, 8, 16, "sm_90", True, tensor_cores=True)
+    assert built.spill_bytes() == 0 and 0 < built.registers() <= 255, built.log
+    assert cluster_decode.num_warps(group, head_dim, True) == 4
+    assert f"{cluster_decode.shared_bytes(4, group, head_dim, True)} bytes smem" in built.log
+    # the first chunk's tiles and the loop's: (2 + 1) * head_dim / 16 MMAs a tile, once for each
+    assert built.ptx.count("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32") == 2 * tile_count * 3 * head_dim // 16
+
+
+@needs_nvrtc
+def test_the_tensor_core_build_reads_its_tiles_before_the_wait():
+    ptx = cluster_decode.compile_kernel(4, 128, 8, 16, "sm_90", True, tensor_cores=True).ptx
+    wait = ptx.index("griddepcontrol.wait")
+    before = _loads(ptx[:wait])
+    # per tile a lane reads 2 keys' K (4 vectors each) and 4 keys' V (2 vectors each): 16 loads of 16 bytes
+    assert before["ld.global.v4.u32"] == 16 * cluster_decode.tiles(128)
+    assert not any(op.startswith("ld.global.nc.v4") for op in _loads(ptx))
+    assert _loads(ptx[wait:])["ld.shared::cluster.f32"] == 3 * 8
+
+
+def test_the_tensor_core_build_is_off_by_default_and_never_at_head_dim_256(monkeypatch):
+    monkeypatch.delenv("KESTREL_CLUSTER_DECODE_MMA", raising=False)
+    assert not cluster_decode.mma(128)
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "1")
+    assert cluster_decode.mma(128) and cluster_decode.mma(64) and not cluster_decode.mma(256)
+    assert cluster_decode.defines(4, 128, 8, 16, True, 4, True, 2)["MMA"] == 1
+    assert "MMA" not in cluster_decode.defines(4, 128, 8, 16, True, 8)
 
 
 @needs_nvrtc

@@ -28,6 +28,23 @@
 //                       until all peers have read it.
 // kv_len == 0 (a padded graph row): every program is empty and the output is 0, as in the Triton kernel.
 //
+// MMA=1 (tensor cores) replaces the slots above: each warp is one slot that attends to 16-key tiles with
+// mma.sync.m16n8k16 (bf16 in, fp32 accumulate), TILES tiles a warp at a time (the first TILES read before the
+// wait). Lane = 4 * r + c. Per tile:
+//
+//   scores  S^T[16 heads x 8 keys] = q[16 heads x HEAD_DIM] . K^T, one n-tile per 8 keys (2 a tile); heads
+//           past GROUP are zero rows. Lane (r, c) reads key base + 8 * nt + r, dims 32 * j + 8 * c .. + 7
+//           (16 bytes), which are k-steps 2j (words 0, 1) and 2j + 1 (words 2, 3): the contraction's order is
+//           free, so q's fragment takes the same dims and no shuffle or shared memory is needed.
+//   output  O^T[HEAD_DIM x 8 heads] += V^T[HEAD_DIM x 16 keys] . P^T[16 keys x 8 heads], one m-tile per 16
+//           dims. S's accumulator (row = head r, columns = keys 2c, 2c + 1) is P^T's B fragment once rounded
+//           to bf16. Lane (r, c) reads keys 2c, 2c + 1, 2c + 8, 2c + 9 at dims 2 * MT * r .. + 2 * MT (MT =
+//           HEAD_DIM / 16), and byte permutes pair two keys' values of one dim into a fragment register; m-tile
+//           i's rows r and r + 8 are dims 2 * MT * r + i and 2 * MT * r + MT + i.
+//
+// The CUDA-core path spends most of its time on arithmetic at bs1 (benchmarks/decode_timeline.py: 3.2 us of
+// q . k, shuffles and p . v after the wait at a group of 4, against 1.8 us at 2); the tensor cores take it.
+//
 // PDL: before griddepcontrol.wait only what no kernel of this step writes is read (kv_lens, the block table, the
 // K/V of every key but the newest, which the attention prologue writes just before this kernel). q and the caches
 // are not __restrict__: the kernel before this one writes q and the newest K/V while this one runs, so their
@@ -38,6 +55,9 @@
 #endif
 #ifndef STAMPS
 #define STAMPS 0
+#endif
+#ifndef MMA
+#define MMA 0
 #endif
 // STAMPS=1 (benchmarks/decode_timeline.py only): thread 0 of each program records clock64() at NUM_STAMPS points
 // (entry, after the wait, after the first attend step, after the later chunks, after the slot merge, after the
@@ -58,11 +78,19 @@ typedef long long index_t;
 typedef int index_t;
 #endif
 
+#if MMA
+#define SLOTS NUM_WARPS                 // a warp is a slot
+#define MT (HEAD_DIM / 16)              // m-tiles of O^T (16 dims each) = k-steps of S
+#define K_VECS (HEAD_DIM / 32)          // 16-byte K loads a lane per key (dims 32 j + 8 c)
+#define V_VECS (HEAD_DIM / 64)          // 16-byte V loads a lane per key (dims 2 MT r + 8 v)
+#define TILE_KEYS 16
+#else
 #define LANES_PER_KEY (HEAD_DIM / DIMS_PER_LANE)
 #define SLOTS_PER_WARP (32 / LANES_PER_KEY)
 #define SLOTS (NUM_WARPS * SLOTS_PER_WARP)
-#define THREADS (NUM_WARPS * 32)
 #define ROWS (DIMS_PER_LANE / 8)              // 16-byte loads per lane per key row
+#endif
+#define THREADS (NUM_WARPS * 32)
 #define OUT_PER_PROGRAM (GROUP * HEAD_DIM / CLUSTER)
 #define NEG_INF (-__int_as_float(0x7f800000))
 
@@ -98,6 +126,7 @@ __device__ __forceinline__ float peer_load(u32 local_address, u32 peer) {   // a
   return v;
 }
 
+#if !MMA
 // K and V of the key at pos (this lane's dims) into k, v; zeros where !valid.
 __device__ __forceinline__ void load_key(const index_t* table, const bf16_t* k_head, const bf16_t* v_head,
                                          long long stride_kb, long long stride_ko, long long stride_vb,
@@ -167,6 +196,129 @@ __device__ __forceinline__ void attend(const float (&q)[GROUP][DIMS_PER_LANE], c
   }
 }
 
+#endif
+
+#if MMA
+struct Tile {                  // one lane's share of a 16-key tile: K of keys 8 nt + r, V of keys 2c, 2c+1, 2c+8, 2c+9
+  Vec k[2][K_VECS];
+  Vec v[4][V_VECS];
+};
+
+// n 16-byte vectors of the key at pos, dims dim0 + i * dim_step; zeros where !valid.
+template <int N>
+__device__ __forceinline__ void load_row(const index_t* table, const bf16_t* head, long long stride_b,
+                                         long long stride_o, int pos, bool valid, int dim0, int dim_step,
+                                         Vec (&out)[N]) {
+  if (valid) {
+    const bf16_t* row = head + table[pos / BLOCK_SIZE] * stride_b + (pos % BLOCK_SIZE) * stride_o + dim0;
+#pragma unroll
+    for (int i = 0; i < N; ++i) out[i] = *reinterpret_cast<const Vec*>(row + i * dim_step);
+  } else {
+#pragma unroll
+    for (int i = 0; i < N; ++i)
+#pragma unroll
+      for (int w = 0; w < 4; ++w) out[i].w[w] = 0u;
+  }
+}
+
+// The tile whose first key is base; keys past end, and the newest unless `newest_too`, read as zeros.
+__device__ __forceinline__ void load_tile(const index_t* table, const bf16_t* k_head, const bf16_t* v_head,
+                                          long long stride_kb, long long stride_ko, long long stride_vb,
+                                          long long stride_vo, int base, int end, int newest, bool newest_too,
+                                          int r, int c, Tile& t) {
+#pragma unroll
+  for (int nt = 0; nt < 2; ++nt) {
+    const int pos = base + 8 * nt + r;
+    load_row(table, k_head, stride_kb, stride_ko, pos, pos < end && (newest_too || pos != newest), 8 * c, 32,
+             t.k[nt]);
+  }
+#pragma unroll
+  for (int kk = 0; kk < 4; ++kk) {
+    const int pos = base + 2 * c + (kk & 1) + 8 * (kk >> 1);
+    load_row(table, v_head, stride_vb, stride_vo, pos, pos < end && (newest_too || pos != newest), 2 * MT * r, 8,
+             t.v[kk]);
+  }
+}
+
+__device__ __forceinline__ void mma_bf16(float (&d)[4], u32 a0, u32 a1, u32 a2, u32 a3, u32 b0, u32 b1) {
+  asm("mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// Element e of a lane's V dims for keys x and y, as one fragment register (x's value in the low half).
+__device__ __forceinline__ u32 key_pair(const Vec (&x)[V_VECS], const Vec (&y)[V_VECS], int e) {
+  const u32 wx = x[e / 8].w[(e % 8) / 2], wy = y[e / 8].w[(e % 8) / 2];
+  return __byte_perm(wx, wy, (e % 2) ? 0x7632 : 0x5410);
+}
+
+// One online-softmax step of a warp over TILES tiles (tile t's first key at base0 + t * stride; keys < end count).
+// m, l: head r's running max and this lane's share of its sum; acc: O^T's fragments (heads 2c, 2c + 1).
+__device__ __forceinline__ void attend_tiles(const Vec (&q)[K_VECS], const Tile (&tiles)[TILES], int base0,
+                                             int stride, int end, float scale_log2, int c, float& m, float& l,
+                                             float (&acc)[MT][4]) {
+  float s[TILES][2][4];
+  float mx = NEG_INF;
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    const int base = base0 + t * stride;
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) s[t][nt][i] = 0.f;
+    if (base < end) {   // warp-uniform
+#pragma unroll
+      for (int step = 0; step < MT; ++step)
+#pragma unroll
+        for (int nt = 0; nt < 2; ++nt)
+          mma_bf16(s[t][nt], q[step / 2].w[2 * (step % 2)], 0u, q[step / 2].w[2 * (step % 2) + 1], 0u,
+                   tiles[t].k[nt][step / 2].w[2 * (step % 2)], tiles[t].k[nt][step / 2].w[2 * (step % 2) + 1]);
+    }
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        const float v = (base + 8 * nt + 2 * c + e < end) ? s[t][nt][e] * scale_log2 : NEG_INF;
+        s[t][nt][e] = v;
+        mx = fmaxf(mx, v);
+      }
+  }
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+  mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+  const float m_new = fmaxf(m, mx);
+  const float m_use = m_new == NEG_INF ? 0.f : m_new;   // no key yet: every p and alpha is exp2(-inf) = 0
+  const float alpha = exp2f(m - m_use);
+  m = m_new;
+  l *= alpha;
+  // O^T's columns are heads 2c and 2c + 1, whose softmax state lives in lanes 4 * head.
+  const float alpha_lo = __shfl_sync(0xffffffffu, alpha, 8 * c);
+  const float alpha_hi = __shfl_sync(0xffffffffu, alpha, 8 * c + 4);
+#pragma unroll
+  for (int i = 0; i < MT; ++i) {
+    acc[i][0] *= alpha_lo; acc[i][1] *= alpha_hi; acc[i][2] *= alpha_lo; acc[i][3] *= alpha_hi;
+  }
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {
+    if (base0 + t * stride >= end) continue;   // warp-uniform
+    float p[2][2];
+#pragma unroll
+    for (int nt = 0; nt < 2; ++nt)
+#pragma unroll
+      for (int e = 0; e < 2; ++e) {
+        p[nt][e] = round_bf16(exp2f(s[t][nt][e] - m_use));   // the weights the tensor cores see
+        l += p[nt][e];
+      }
+    const u32 b0 = pack(p[0][0], p[0][1]), b1 = pack(p[1][0], p[1][1]);
+    const Tile& tile = tiles[t];
+#pragma unroll
+    for (int i = 0; i < MT; ++i)
+      mma_bf16(acc[i], key_pair(tile.v[0], tile.v[1], i), key_pair(tile.v[0], tile.v[1], MT + i),
+               key_pair(tile.v[2], tile.v[3], i), key_pair(tile.v[2], tile.v[3], MT + i), b0, b1);
+  }
+}
+#endif
+
 extern "C" __global__ void __launch_bounds__(THREADS)
 cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache,
                const index_t* __restrict__ block_table, const index_t* __restrict__ kv_lens, bf16_t* out_ptr,
@@ -196,16 +348,77 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   const int kv_head = blockIdx.x / CLUSTER;
   const int seq = blockIdx.y;
   const int lane = threadIdx.x % 32;
-  const int slot = (threadIdx.x / 32) * SLOTS_PER_WARP + lane / LANES_PER_KEY;
-  const int dim0 = (lane % LANES_PER_KEY) * DIMS_PER_LANE;
-
-  // Before the wait: this program's slice and the K/V of its first PREFETCH keys a slot, the newest key excepted.
+  // This program's slice of the context; before the wait only what no kernel of the step writes is read.
   const int kv_len = (int)kv_lens[seq];
   const int per = (kv_len + CLUSTER - 1) / CLUSTER;
   const int start = rank * per;
   const int end = min(start + per, kv_len);
   const int newest = kv_len - 1;
   const index_t* table = block_table + seq * stride_bt;
+#if MMA
+  const int warp = threadIdx.x / 32, r = lane / 4, c = lane % 4;
+  const bf16_t* k_head = k_cache + kv_head * stride_kh;
+  const bf16_t* v_head = v_cache + kv_head * stride_vh;
+  const int stride = TILE_KEYS * NUM_WARPS;            // keys between a warp's consecutive tiles
+  const int first = start + TILE_KEYS * warp;          // the warp's first tile
+  Tile tiles[TILES];
+#pragma unroll
+  for (int t = 0; t < TILES; ++t)
+    load_tile(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, first + t * stride, end, newest,
+              false, r, c, tiles[t]);
+
+  pdl_wait_then_signal();
+  STAMP(1);
+
+  Vec q[K_VECS];   // head r (zeros past GROUP), dims 32 j + 8 c
+  {
+    const Vec* qp = reinterpret_cast<const Vec*>(q_ptr + seq * stride_qs + (kv_head * GROUP + r) * stride_qh + 8 * c);
+#pragma unroll
+    for (int j = 0; j < K_VECS; ++j) {
+      if (r < GROUP) q[j] = qp[4 * j];
+      else for (int w = 0; w < 4; ++w) q[j].w[w] = 0u;
+    }
+  }
+#pragma unroll
+  for (int t = 0; t < TILES; ++t) {   // the newest key, written by the kernel before this one
+    const int base = first + t * stride;
+    if (newest >= base && newest < base + TILE_KEYS && newest < end)
+      load_tile(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, base, end, newest, true, r, c,
+                tiles[t]);
+  }
+  float m = NEG_INF, l = 0.f, acc[MT][4];
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
+  attend_tiles(q, tiles, first, stride, end, scale_log2, c, m, l, acc);
+  STAMP(2);
+  // Longer slices: TILES tiles a warp at a time, read after the wait (program-uniform bound).
+  for (int chunk = start + TILES * stride; chunk < end; chunk += TILES * stride) {
+#pragma unroll
+    for (int t = 0; t < TILES; ++t)
+      load_tile(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo,
+                chunk + TILE_KEYS * warp + t * stride, end, newest, true, r, c, tiles[t]);
+    attend_tiles(q, tiles, chunk + TILE_KEYS * warp, stride, end, scale_log2, c, m, l, acc);
+  }
+  STAMP(3);
+
+  // Warps -> program: the warp's partial into its slot. Lane (r, c) holds heads 2c, 2c + 1 at dims
+  // 2 MT r + i (acc[i][0], [1]) and 2 MT r + MT + i (acc[i][2], [3]); head r's sum is spread over its quad.
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+#pragma unroll
+  for (int i = 0; i < MT; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h)
+      if (2 * c + h < GROUP) {
+        slot_acc[warp][2 * c + h][2 * MT * r + i] = acc[i][h];
+        slot_acc[warp][2 * c + h][2 * MT * r + MT + i] = acc[i][2 + h];
+      }
+  if (c == 0 && r < GROUP) { slot_m[warp][r] = m; slot_l[warp][r] = l; }
+#else
+  const int slot = (threadIdx.x / 32) * SLOTS_PER_WARP + lane / LANES_PER_KEY;
+  const int dim0 = (lane % LANES_PER_KEY) * DIMS_PER_LANE;
   const bf16_t* k_head = k_cache + kv_head * stride_kh + dim0;
   const bf16_t* v_head = v_cache + kv_head * stride_vh + dim0;
   Vec k[PREFETCH][ROWS], v[PREFETCH][ROWS];
@@ -267,6 +480,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     for (int e = 0; e < DIMS_PER_LANE; ++e) slot_acc[slot][g][dim0 + e] = acc[g][e];
     if (dim0 == 0) { slot_m[slot][g] = m[g]; slot_l[slot][g] = l[g]; }
   }
+#endif
   __syncthreads();
   for (int idx = threadIdx.x; idx < GROUP * HEAD_DIM; idx += THREADS) {
     const int g = idx / HEAD_DIM, d = idx % HEAD_DIM;

@@ -56,28 +56,44 @@ def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_se
     if head_dim not in (64, 128, 256) or group > 8 or (group * head_dim) % cluster:   # > 8: q and acc spill
         return False
     aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k_cache, v_cache))
-    return aligned and _builds(device_index(q.device), group, head_dim, cluster, k_cache.shape[1])
+    return aligned and _builds(device_index(q.device), group, head_dim, cluster, k_cache.shape[1], mma(head_dim),
+                               tiles(head_dim))
 
 
 @functools.lru_cache(maxsize=None)
-def _builds(device: int, group: int, head_dim: int, cluster: int, block_size: int) -> bool:
+def _builds(device: int, group: int, head_dim: int, cluster: int, block_size: int, tensor_cores: bool,
+            tile_count: int) -> bool:
     """Whether the kernel builds and loads here (once per shape); if not, say why once and keep the Triton
     kernel."""
     try:   # both index widths now, so that no build happens later inside a CUDA-graph capture
         for index64 in (False, True):
-            _kernel(device, group, head_dim, cluster, block_size, index64, num_warps(group, head_dim))
+            _kernel(device, group, head_dim, cluster, block_size, index64,
+                    num_warps(group, head_dim, tensor_cores), tensor_cores, tile_count)
         return True
     except (OSError, RuntimeError) as error:
         log.warning("cluster decode kernel unavailable, decode stays on the Triton kernel: %s", error)
         return False
 
 
-def num_warps(group: int, head_dim: int) -> int:
-    """Warps a program: KESTREL_CLUSTER_DECODE_WARPS (default 8: 16 slots of 16 lanes at head_dim 128, 128 keys
-    read before the wait; on the Qwen3-0.6B bs1 step 8 warps measured -0.9% against 4, 2 warps +5.6%), halved
-    until the slots' partials fit the 48 KB of static shared memory (groups of 8 and more)."""
-    warps = int(os.environ.get("KESTREL_CLUSTER_DECODE_WARPS", "8"))
-    while warps > 1 and shared_bytes(warps, group, head_dim) > 48 * 1024:
+def mma(head_dim: int) -> bool:
+    """KESTREL_CLUSTER_DECODE_MMA=1: the tensor-core build (a warp attends to 16-key tiles with mma.sync), for
+    head dims up to 128 (at 256 a tile's K, V and output fragments do not fit in registers)."""
+    return os.environ.get("KESTREL_CLUSTER_DECODE_MMA", "0") == "1" and head_dim <= 128
+
+
+def tiles(head_dim: int) -> int:
+    """16-key tiles a warp holds at a time in the tensor-core build (KESTREL_CLUSTER_DECODE_TILES; default 2 at
+    head_dim 128: 128 keys a program before the wait, as the CUDA-core build's 8 warps; 1 at 64, where 2 spill)."""
+    return int(os.environ.get("KESTREL_CLUSTER_DECODE_TILES", "2" if head_dim == 128 else "1"))
+
+
+def num_warps(group: int, head_dim: int, tensor_cores: bool = False) -> int:
+    """Warps a program: KESTREL_CLUSTER_DECODE_WARPS (default 8 on CUDA cores: 16 slots of 16 lanes at head_dim
+    128, 128 keys read before the wait; on the Qwen3-0.6B bs1 step 8 warps measured -0.9% against 4, 2 warps
+    +5.6%; 4 on tensor cores, a warp a slot), halved until the slots' partials fit the 48 KB of static shared
+    memory (groups of 8 and more)."""
+    warps = int(os.environ.get("KESTREL_CLUSTER_DECODE_WARPS", "4" if tensor_cores else "8"))
+    while warps > 1 and shared_bytes(warps, group, head_dim, tensor_cores) > 48 * 1024:
         warps //= 2
     return warps
 
@@ -87,30 +103,38 @@ def prefetch(group: int) -> int:
     return max(2, min(PREFETCH, 32 // group))
 
 
-def shared_bytes(warps: int, group: int, head_dim: int) -> int:
+def shared_bytes(warps: int, group: int, head_dim: int, tensor_cores: bool = False) -> int:
     """The kernel's static shared memory: each slot's acc, m and l, and the program's (fp32)."""
-    slots = warps * 32 // (head_dim // DIMS_PER_LANE)
+    slots = warps if tensor_cores else warps * 32 // (head_dim // DIMS_PER_LANE)
     return 4 * group * (head_dim + 2) * (slots + 1)
 
 
-def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int) -> dict[str, int]:
-    return dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, PREFETCH=prefetch(group),
-                BLOCK_SIZE=block_size, DIMS_PER_LANE=DIMS_PER_LANE, INDEX64=int(index64))
+def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int,
+            tensor_cores: bool = False, tile_count: int = 2) -> dict[str, int]:
+    shape = dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, BLOCK_SIZE=block_size,
+                 INDEX64=int(index64))
+    if tensor_cores:
+        return {**shape, "MMA": 1, "TILES": tile_count}
+    return {**shape, "PREFETCH": prefetch(group), "DIMS_PER_LANE": DIMS_PER_LANE}
 
 
 def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",
-                   index64: bool = False, warps: int | None = None, extra: dict[str, int] | None = None
-                   ) -> cuda_rtc.Compiled:
-    """extra: defines past the shape's (e.g. STAMPS=1 for benchmarks/decode_timeline.py)."""
-    warps = warps or num_warps(group, head_dim)
-    return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch,
-                                  {**defines(group, head_dim, cluster, block_size, index64, warps), **(extra or {})})
+                   index64: bool = False, warps: int | None = None, extra: dict[str, int] | None = None,
+                   tensor_cores: bool | None = None, tile_count: int | None = None) -> cuda_rtc.Compiled:
+    """extra: defines past the shape's (e.g. STAMPS=1 for benchmarks/decode_timeline.py). tensor_cores and
+    tile_count default to the environment's (mma(head_dim), tiles(head_dim))."""
+    tensor_cores = mma(head_dim) if tensor_cores is None else tensor_cores
+    warps = warps or num_warps(group, head_dim, tensor_cores)
+    build = defines(group, head_dim, cluster, block_size, index64, warps, tensor_cores,
+                    tile_count or tiles(head_dim))
+    return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch, {**build, **(extra or {})})
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, group: int, head_dim: int, cluster: int, block_size: int,
-            index64: bool, warps: int) -> cuda_rtc.Kernel:
-    compiled = compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device), index64, warps)
+            index64: bool, warps: int, tensor_cores: bool, tile_count: int) -> cuda_rtc.Kernel:
+    compiled = compile_kernel(group, head_dim, cluster, block_size, cuda_rtc.device_arch(device), index64, warps,
+                              tensor_cores=tensor_cores, tile_count=tile_count)
     return cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", device),
                            non_portable_cluster=cluster > 8)
 
@@ -123,8 +147,10 @@ def decode_attention(
     kv_lens: torch.Tensor,       # [S], the block table's dtype, on the device; 0 for padded rows (output 0)
     scale: float,
     cluster: int | None = None,
+    tensor_cores: bool | None = None,
 ) -> torch.Tensor:
-    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold)."""
+    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
+    cluster and tensor_cores default to the environment's (cluster_size(), mma())."""
     cluster = cluster or cluster_size()
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
@@ -135,8 +161,9 @@ def decode_attention(
     assert block_table.dtype == kv_lens.dtype and block_table.dtype in (torch.int32, torch.int64), \
         f"block table {block_table.dtype} and kv_lens {kv_lens.dtype}: both int32 or both int64"
     group = num_heads // num_kv_heads
-    warps = num_warps(group, head_dim)
-    kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64, warps)
+    tensor_cores = mma(head_dim) if tensor_cores is None else tensor_cores
+    kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64,
+                     num_warps(group, head_dim, tensor_cores), tensor_cores, tiles(head_dim))
     kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32,
                   launch_args(q, k_cache, v_cache, block_table, kv_lens, out, scale),
                   torch.cuda.current_stream(q.device), cluster=cluster, pdl=pdl_enabled(q.device))

@@ -63,10 +63,6 @@ struct RopeArgs {                        // ROPE only (all zero otherwise); one 
   long long block_size;
 };
 
-__device__ __forceinline__ float round_bf16(float f) { return __uint_as_float((u32)to_bf16(f) << 16); }
-
-__device__ __forceinline__ u32 pack(float a, float b) { return (u32)to_bf16(a) | ((u32)to_bf16(b) << 16); }
-
 __device__ __forceinline__ Vec stream_load(const bf16_t* p) {   // read once per step: keep it out of L1
   Vec v;
   asm volatile("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"

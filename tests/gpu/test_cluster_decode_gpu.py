@@ -1,5 +1,5 @@
 """The cluster decode kernel (attention/cluster_decode.cu, KESTREL_CLUSTER_DECODE) against the torch reference on
-fresh random inputs: ragged contexts (a padded row, slices shorter than the cluster, contexts past the keys read
+fresh random inputs, on CUDA cores and on tensor cores (KESTREL_CLUSTER_DECODE_MMA): ragged contexts (a padded row, slices shorter than the cluster, contexts past the keys read
 before the PDL wait), GQA ratios 1/2/4/8, head dims 64/128, block sizes 2/16; under CUDA-graph replay with new
 lengths and tables; and whole engines with the kernel on and off (same greedy tokens)."""
 from __future__ import annotations
@@ -42,26 +42,30 @@ def test_the_kernel_builds_without_spills_on_this_gpu():
     assert built.spill_bytes() == 0 and 0 < built.registers() <= 255, built.log
 
 
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 @pytest.mark.parametrize("cluster,index", [(8, torch.int32), (16, torch.int32), (2, torch.int32), (8, torch.int64)])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", CASES)
-def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, cluster, index):
+def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, cluster, index, tensor_cores):
     from kestrel.attention import cluster_decode
     q, k_cache, v_cache, table, lens = _inputs(KV_LENS, num_kv_heads, group, head_dim, block_size,
                                                seed=group * head_dim + cluster, index=index)
-    out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, cluster=cluster)
+    out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, cluster=cluster,
+                                          tensor_cores=tensor_cores)
     torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, table, lens).float(),
                                **TOLERANCE[torch.bfloat16])
     assert torch.count_nonzero(out[2]) == 0   # the padded row
 
 
-def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_cores):
     from kestrel.attention import cluster_decode
     q, k_cache, v_cache, table, lens = _inputs(KV_LENS[:4], 8, 2, 128, 16, seed=3, index=torch.int64)
-    cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, cluster=8)   # compile
+    kw = dict(cluster=8, tensor_cores=tensor_cores)
+    cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, **kw)   # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, cluster=8)
+        out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, **kw)
     gen = torch.Generator().manual_seed(4)
     num_blocks = k_cache.shape[0]
     for step in range(3):
@@ -89,3 +93,17 @@ def test_engine_tokens_with_the_kernel_on_and_off(checkpoint_factory, monkeypatc
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"cluster decode {arch}: {same:.1%} of greedy tokens identical")
     assert same > 0.5
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "llama"])
+def test_engine_tokens_with_the_tensor_core_build_on_and_off(checkpoint_factory, monkeypatch, arch):
+    """KESTREL_CLUSTER_DECODE_MMA=1 against the CUDA-core build, whole engines (head_dim 64 and 128)."""
+    from kestrel.attention import cluster_decode
+    for head_dim in (64, 128):
+        path = str(checkpoint_factory(arch, head_dim=head_dim))
+        on, off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention",
+                                           "KESTREL_CLUSTER_DECODE_MMA", "1", "0", dtype="bfloat16",
+                                           attention_backend="triton")
+        same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
+        print(f"tensor-core cluster decode {arch} head_dim {head_dim}: {same:.1%} of greedy tokens identical")
+        assert same > 0.5
