@@ -162,8 +162,9 @@ def decode_attention(
         f"block table {block_table.dtype} and kv_lens {kv_lens.dtype}: both int32 or both int64"
     group = num_heads // num_kv_heads
     tensor_cores = mma(head_dim) if tensor_cores is None else tensor_cores
-    kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64,
-                     num_warps(group, head_dim, tensor_cores), tensor_cores, tiles(head_dim))
+    warps = num_warps(group, head_dim, tensor_cores)
+    kernel = _kernel(device_index(q.device), group, head_dim, cluster, block_size, index64, warps, tensor_cores,
+                     tiles(head_dim))
     kernel.launch((num_kv_heads * cluster, num_seqs, 1), warps * 32,
                   launch_args(q, k_cache, v_cache, block_table, kv_lens, out, scale),
                   torch.cuda.current_stream(q.device), cluster=cluster, pdl=pdl_enabled(q.device))
