@@ -84,7 +84,13 @@ typedef int index_t;
 #define K_VECS (HEAD_DIM / 32)          // 16-byte K loads a lane per key (dims 32 j + 8 c)
 #define V_VECS (HEAD_DIM / 64)          // 16-byte V loads a lane per key (dims 2 MT r + 8 v)
 #define TILE_KEYS 16
+// slot_acc rows get a float of padding per lane chunk (2 MT dims of a head), so that a warp's fragment stores
+// (lanes r = 0..7 at dims 2 MT r + i) fall in distinct banks instead of two (16-way conflicts unpadded).
+#define ACC_ROW (HEAD_DIM + HEAD_DIM / (2 * MT))
+#define ACC_AT(d) ((d) + (d) / (2 * MT))
 #else
+#define ACC_ROW HEAD_DIM
+#define ACC_AT(d) (d)
 #define LANES_PER_KEY (HEAD_DIM / DIMS_PER_LANE)
 #define SLOTS_PER_WARP (32 / LANES_PER_KEY)
 #define SLOTS (NUM_WARPS * SLOTS_PER_WARP)
@@ -337,7 +343,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(wall_start));
 #endif
   STAMP(0);
-  __shared__ float slot_acc[SLOTS][GROUP][HEAD_DIM];
+  __shared__ float slot_acc[SLOTS][GROUP][ACC_ROW];
   __shared__ float slot_m[SLOTS][GROUP];
   __shared__ float slot_l[SLOTS][GROUP];
   __shared__ float cta_acc[GROUP][HEAD_DIM];
@@ -412,8 +418,8 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
 #pragma unroll
     for (int h = 0; h < 2; ++h)
       if (2 * c + h < GROUP) {
-        slot_acc[warp][2 * c + h][2 * MT * r + i] = acc[i][h];
-        slot_acc[warp][2 * c + h][2 * MT * r + MT + i] = acc[i][2 + h];
+        slot_acc[warp][2 * c + h][ACC_AT(2 * MT * r + i)] = acc[i][h];
+        slot_acc[warp][2 * c + h][ACC_AT(2 * MT * r + MT + i)] = acc[i][2 + h];
       }
   if (c == 0 && r < GROUP) { slot_m[warp][r] = m; slot_l[warp][r] = l; }
 #else
@@ -492,7 +498,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
 #pragma unroll
       for (int j = 0; j < SLOTS; ++j) {
         const float w = exp2f(slot_m[j][g] - mx);
-        a = fmaf(w, slot_acc[j][g][d], a);
+        a = fmaf(w, slot_acc[j][g][ACC_AT(d)], a);
         total = fmaf(w, slot_l[j][g], total);
       }
     }

@@ -104,9 +104,11 @@ def prefetch(group: int) -> int:
 
 
 def shared_bytes(warps: int, group: int, head_dim: int, tensor_cores: bool = False) -> int:
-    """The kernel's static shared memory: each slot's acc, m and l, and the program's (fp32)."""
+    """The kernel's static shared memory: each slot's acc, m and l, and the program's (fp32); the tensor-core
+    build pads each slot's rows by 8 floats (cluster_decode.cu, ACC_ROW)."""
     slots = warps if tensor_cores else warps * 32 // (head_dim // DIMS_PER_LANE)
-    return 4 * group * (head_dim + 2) * (slots + 1)
+    slot_row = head_dim + (8 if tensor_cores else 0)
+    return 4 * group * ((slot_row + 2) * slots + head_dim + 2)
 
 
 def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int,
