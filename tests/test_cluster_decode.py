@@ -75,11 +75,17 @@ def test_the_tensor_core_build_reads_its_tiles_before_the_wait():
     assert _loads(ptx[wait:])["ld.shared::cluster.f32"] == 3 * 8
 
 
-def test_the_tensor_core_build_is_off_by_default_and_never_at_head_dim_256(monkeypatch):
+def test_the_tensor_core_build_is_on_from_a_group_of_4_and_never_at_head_dim_256(monkeypatch):
     monkeypatch.delenv("KESTREL_CLUSTER_DECODE_MMA", raising=False)
-    assert not cluster_decode.mma(128)
+    assert cluster_decode.mma(4, 128) and cluster_decode.mma(8, 64)                  # Llama-3.1-8B: group 4
+    assert not cluster_decode.mma(2, 128) and not cluster_decode.mma(4, 256)         # Qwen3-0.6B: group 2
     monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "1")
-    assert cluster_decode.mma(128) and cluster_decode.mma(64) and not cluster_decode.mma(256)
+    assert cluster_decode.mma(2, 128) and cluster_decode.mma(1, 64) and not cluster_decode.mma(8, 256)
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "0")
+    assert not cluster_decode.mma(4, 128)
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "yes")
+    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE_MMA=yes"):
+        cluster_decode.mma(4, 128)
     assert cluster_decode.defines(4, 128, 8, 16, True, 4, True, 2)["MMA"] == 1
     assert "MMA" not in cluster_decode.defines(4, 128, 8, 16, True, 8)
 

@@ -61,6 +61,21 @@ def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, clu
     assert torch.count_nonzero(out[2]) == 0   # the padded row
 
 
+@pytest.mark.parametrize("cluster", [8, 16])
+@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", CASES)
+def test_one_warp_tensor_core_programs_match_reference(monkeypatch, num_kv_heads, group, head_dim, block_size,
+                                                       cluster):
+    """KESTREL_CLUSTER_DECODE_WARPS=1: programs small enough to sit beside the QKV matmul's blocks."""
+    from kestrel.attention import cluster_decode
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_WARPS", "1")
+    q, k_cache, v_cache, table, lens = _inputs(KV_LENS, num_kv_heads, group, head_dim, block_size,
+                                               seed=group + cluster, index=torch.int64)
+    out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, cluster=cluster,
+                                          tensor_cores=True)
+    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, table, lens).float(),
+                               **TOLERANCE[torch.bfloat16])
+
+
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_cores):
     from kestrel.attention import cluster_decode
