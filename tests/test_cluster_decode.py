@@ -109,10 +109,11 @@ def test_the_kernel_is_on_by_default_but_never_on_cpu(monkeypatch):
 
 
 @needs_nvrtc
-def test_the_timeline_build_only_adds_clock_reads():
+@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
+def test_the_timeline_build_only_adds_clock_reads(tensor_cores):
     """STAMPS=1 (benchmarks/decode_timeline.py) builds without spills; the default build reads no clock."""
-    from kestrel import cuda_rtc
-    stamped = cluster_decode.compile_kernel(4, 128, 8, 16, index64=True, extra={"STAMPS": 1})
+    kw = dict(index64=True, tensor_cores=tensor_cores)
+    stamped = cluster_decode.compile_kernel(4, 128, 8, 16, extra={"STAMPS": 1}, **kw)
     assert stamped.spill_bytes() == 0 and stamped.ptx.count("%clock64") >= 8 and "%globaltimer" in stamped.ptx
-    plain = cluster_decode.compile_kernel(4, 128, 8, 16, index64=True)
+    plain = cluster_decode.compile_kernel(4, 128, 8, 16, **kw)
     assert "%clock64" not in plain.ptx and "%globaltimer" not in plain.ptx
