@@ -140,11 +140,14 @@ def ablations(spec: str) -> list[tuple[object, str, object]]:
     return [patch for n in names for patch in table[n]]
 
 
-def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None) -> dict:
+def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None, graph_max_bs: int = 8,
+                  max_num_seqs: int = 8) -> dict:
+    """graph_max_bs / max_num_seqs: 8 by default; engine_bench.py's engine uses 128 / 256 (--like-bench)."""
     model_dir = workdir / name
     if not (model_dir / "config.json").exists():
         write_random_checkpoint(name, model_dir)
-    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=8, max_num_seqs=8))
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=graph_max_bs,
+                                 max_num_seqs=max_num_seqs))
     vocab = SHAPES[name]["vocab_size"]
     prompt = [(i * 7919) % (vocab - 2) + 2 for i in range(128)]
     engine.add_request("p", prompt, SamplingParams(max_tokens=4096, temperature=0.0, ignore_eos=True))
@@ -232,12 +235,16 @@ def main() -> int:
     ap.add_argument("--steps", type=int, default=200)
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None)
+    ap.add_argument("--like-bench", action="store_true",
+                    help="the engine settings of engine_bench.py (graphs up to 128 rows, 256 sequences): "
+                         "the bs1 step there measured ~1.2%% slower than here (BENCHMARKS.md, session 14)")
     args = ap.parse_args()
+    engine_sizes = (128, 256) if args.like_bench else (8, 8)
     for module, attr, stand_in in ablations(os.environ.get("KESTREL_PROFILE_ABLATE", "")):
         setattr(module, attr, stand_in)   # before any engine is built, so its graphs capture the stand-ins
     results = []
     for name in args.models.split(","):
-        r = profile_model(name, args.workdir, args.steps, args.trace_dir)
+        r = profile_model(name, args.workdir, args.steps, args.trace_dir, *engine_sizes)
         print_result(r)
         results.append(r)
         gc.collect()               # the engine's reference cycles hold its weights and KV cache: free them before

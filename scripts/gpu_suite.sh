@@ -66,8 +66,9 @@ if [[ $STAGES == *" profile "* ]]; then
     timeout 120 python3 -m benchmarks.gemv_bench --out "$OUT/gemv_bench.json" 2>> "$LOG" | tee -a "$LOG"
   fi
   step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch flipped in turn"
+  # PROFILE_ARGS, e.g. --like-bench (engine_bench.py's engine sizes), go to the baseline and every A/B.
   timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
-    --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} 2>> "$LOG" | tee -a "$LOG"
+    --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} ${PROFILE_ARGS:-} 2>> "$LOG" | tee -a "$LOG"
   # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together.
   # Decided A/Bs leave the list (BENCHMARKS.md, sessions 7 and 8):
   #   Kernels signalling their successor at their start (PDL early signal): +3.8% (0.6B), -0.3% (8B); removed.
@@ -95,6 +96,10 @@ if [[ $STAGES == *" profile "* ]]; then
   # kernel (bulk -0.15% / +0.1%, per line +3.6% / +4.5%), 4-warp decode programs beside it (+0.3%), the norm
   # weight read after the wait (+0.1%). KESTREL_CUDA_GEMV_CONFIG="NxK=rows,u" overrides a shape's config
   # (o_proj 4,4: -0.2%; qkv 1,16: +0.9%).
+  # Session 14: decode on tensor cores (KESTREL_CLUSTER_DECODE_MMA, auto = groups of 4 and more) -2.5% / -2.3%
+  # on the 8B (CUDA cores +2.3% against it), +1.9% / +3.7% on the 0.6B (kept on CUDA cores); 1 tile a warp
+  # +0.6% and 2 warps +0.4% against 2 tiles and 4 warps; 1-warp programs +2.1% (cluster 16) / +2.7% (8);
+  # cluster 4 +0.2%.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.
@@ -109,7 +114,7 @@ if [[ $STAGES == *" profile "* ]]; then
     tag=$(echo "$switch" | tr -c 'A-Za-z0-9\n' _); echo "${model}_$tag $switch" >> "$WORK/ab_switches.txt"
     # Each A/B's whole kernel table goes to its own JSON; the log keeps the step time.
     env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
-      --out "$OUT/profile_ab_${model}_$tag.json" \
+      --out "$OUT/profile_ab_${model}_$tag.json" ${PROFILE_ARGS:-} \
       2>> "$LOG" | grep -E "^##|engine.step|busy" | tee -a "$LOG"
   done
 fi

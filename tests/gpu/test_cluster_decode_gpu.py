@@ -1,7 +1,8 @@
 """The cluster decode kernel (attention/cluster_decode.cu, KESTREL_CLUSTER_DECODE) against the torch reference on
-fresh random inputs, on CUDA cores and on tensor cores (KESTREL_CLUSTER_DECODE_MMA): ragged contexts (a padded row, slices shorter than the cluster, contexts past the keys read
-before the PDL wait), GQA ratios 1/2/4/8, head dims 64/128, block sizes 2/16; under CUDA-graph replay with new
-lengths and tables; and whole engines with the kernel on and off (same greedy tokens)."""
+fresh random inputs, on CUDA cores and on tensor cores (KESTREL_CLUSTER_DECODE_MMA): ragged contexts (a padded row,
+slices shorter than the cluster, contexts past the keys read before the PDL wait), GQA ratios 1/2/4/8, head dims
+64/128, block sizes 2/16; under CUDA-graph replay with new lengths and tables; and whole engines with the kernel on
+and off (same greedy tokens)."""
 from __future__ import annotations
 
 import pytest
@@ -101,16 +102,20 @@ def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_c
         assert torch.count_nonzero(out[step]) == 0
 
 
+def _identical_share(path: str, monkeypatch, switch: str, on: str, off: str) -> float:
+    """The share of greedy tokens identical with env `switch` at `on` and at `off` (bf16, decode graphs); with
+    it on, decode must go through the cluster kernel."""
+    from kestrel.attention import cluster_decode
+    tokens_on, tokens_off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention", switch,
+                                                     on, off, dtype="bfloat16", attention_backend="triton")
+    return sum(a == b for x, y in zip(tokens_on, tokens_off) for a, b in zip(x, y)) / sum(len(x) for x in tokens_off)
+
+
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_engine_tokens_with_the_kernel_on_and_off(checkpoint_factory, monkeypatch, arch):
     """bf16 random checkpoints (head_dim 64: the kernel's smallest) with decode graphs: the share of identical
     greedy tokens (bf16 near-ties aside)."""
-    from kestrel.attention import cluster_decode
-    path = str(checkpoint_factory(arch, head_dim=64))
-    on, off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention",
-                                       "KESTREL_CLUSTER_DECODE", "8", "0", dtype="bfloat16",
-                                       attention_backend="triton")
-    same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
+    same = _identical_share(str(checkpoint_factory(arch, head_dim=64)), monkeypatch, "KESTREL_CLUSTER_DECODE", "8", "0")
     print(f"cluster decode {arch}: {same:.1%} of greedy tokens identical")
     assert same > 0.5
 
@@ -118,12 +123,8 @@ def test_engine_tokens_with_the_kernel_on_and_off(checkpoint_factory, monkeypatc
 @pytest.mark.parametrize("arch", ["qwen3", "llama"])
 def test_engine_tokens_with_the_tensor_core_build_on_and_off(checkpoint_factory, monkeypatch, arch):
     """KESTREL_CLUSTER_DECODE_MMA=1 against the CUDA-core build, whole engines (head_dim 64 and 128)."""
-    from kestrel.attention import cluster_decode
     for head_dim in (64, 128):
-        path = str(checkpoint_factory(arch, head_dim=head_dim))
-        on, off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention",
-                                           "KESTREL_CLUSTER_DECODE_MMA", "1", "0", dtype="bfloat16",
-                                           attention_backend="triton")
-        same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
+        same = _identical_share(str(checkpoint_factory(arch, head_dim=head_dim)), monkeypatch,
+                                "KESTREL_CLUSTER_DECODE_MMA", "1", "0")
         print(f"tensor-core cluster decode {arch} head_dim {head_dim}: {same:.1%} of greedy tokens identical")
         assert same > 0.5
