@@ -164,7 +164,8 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None, 
               "fused_attn_prologue": os.environ.get("KESTREL_FUSED_ATTN_PROLOGUE", "1") != "0",
               "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
               "cuda_gemv": os.environ.get("KESTREL_CUDA_GEMV", "auto"),
-              "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", "")}
+              "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", ""),
+              "cuda_graph_max_bs": graph_max_bs, "max_num_seqs": max_num_seqs}
     if graphs is None:
         return result
     graph = graphs.graphs[graphs.buckets[0]]   # bs1 replays the smallest bucket (KESTREL_GRAPH_MIN_BS)
@@ -236,10 +237,12 @@ def main() -> int:
     ap.add_argument("--out", type=Path, default=None)
     ap.add_argument("--trace-dir", type=Path, default=None)
     ap.add_argument("--like-bench", action="store_true",
-                    help="the engine settings of engine_bench.py (graphs up to 128 rows, 256 sequences): "
-                         "the bs1 step there measured ~1.2%% slower than here (BENCHMARKS.md, session 14)")
+                    help="the engine settings of engine_bench.py (graphs up to 128 rows, 256 sequences): the bs1 "
+                         "step there measured ~1.2%% slower than here (BENCHMARKS.md, session 14); also "
+                         "KESTREL_PROFILE_LIKE_BENCH=1, so that the suite can A/B it against its baseline")
     args = ap.parse_args()
-    engine_sizes = (128, 256) if args.like_bench else (8, 8)
+    like_bench = args.like_bench or os.environ.get("KESTREL_PROFILE_LIKE_BENCH") == "1"
+    engine_sizes = (128, 256) if like_bench else (8, 8)
     for module, attr, stand_in in ablations(os.environ.get("KESTREL_PROFILE_ABLATE", "")):
         setattr(module, attr, stand_in)   # before any engine is built, so its graphs capture the stand-ins
     results = []
