@@ -41,8 +41,9 @@ def ab_rows(out_dir: Path) -> list[dict]:
 def best_switch(rows: list[dict], switches: dict[str, str], min_gain_pct: float = 1.0) -> str | None:
     """The switch, as written in the A/B list ('+' joining variables), of the fastest A/B that beat its baseline by
     at least min_gain_pct; None if none did. switches maps '<model>_<switch as in the file name>' to it.
-    Ablations (KESTREL_PROFILE_ABLATE: work taken out of the step, garbage tokens) are probes, never picked."""
-    winners = [r for r in rows if r["change_pct"] <= -min_gain_pct and "KESTREL_PROFILE_ABLATE" not in r["switch"]]
+    The profile's own switches (KESTREL_PROFILE_*: ablations, which take work out of the step and give garbage
+    tokens, and the engine's sizes) are probes, never picked."""
+    winners = [r for r in rows if r["change_pct"] <= -min_gain_pct and "KESTREL_PROFILE_" not in r["switch"]]
     if not winners:
         return None
     best = min(winners, key=lambda r: r["change_pct"])

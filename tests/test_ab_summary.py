@@ -28,14 +28,17 @@ def test_rows_and_the_fastest_switch_that_gained_one_percent(tmp_path):
     assert best_switch([r for r in rows if r["switch"] == "D_1"], switches) is None   # a loss never wins
 
 
-def test_an_ablation_is_never_the_switch_to_bench(tmp_path):
-    """KESTREL_PROFILE_ABLATE takes work out of the step, so it is always faster and never a candidate."""
+def test_the_profiles_own_switches_are_never_the_switch_to_bench(tmp_path):
+    """KESTREL_PROFILE_ABLATE takes work out of the step, so it is always faster, and KESTREL_PROFILE_LIKE_BENCH
+    changes the profiled engine, not the bench's: neither is a candidate."""
     _write(tmp_path, "profile.json", "qwen3-0.6b", 0.700)
     _write(tmp_path, "profile_ab_qwen3-0.6b_KESTREL_PROFILE_ABLATE_decode.json", "qwen3-0.6b", 0.530)   # -24%
+    _write(tmp_path, "profile_ab_qwen3-0.6b_KESTREL_PROFILE_LIKE_BENCH_1.json", "qwen3-0.6b", 0.600)    # -14%
     _write(tmp_path, "profile_ab_qwen3-0.6b_C_1.json", "qwen3-0.6b", 0.690)                            # -1.4%
     (tmp_path / "switches.txt").write_text("qwen3-0.6b_KESTREL_PROFILE_ABLATE_decode KESTREL_PROFILE_ABLATE=decode\n"
+                                           "qwen3-0.6b_KESTREL_PROFILE_LIKE_BENCH_1 KESTREL_PROFILE_LIKE_BENCH=1\n"
                                            "qwen3-0.6b_C_1 C=1\n")
     switches = read_switches(tmp_path / "switches.txt")
     rows = ab_rows(tmp_path)
-    assert len(rows) == 2 and best_switch(rows, switches) == "C=1"
-    assert best_switch([r for r in rows if "ABLATE" in r["switch"]], switches) is None
+    assert len(rows) == 3 and best_switch(rows, switches) == "C=1"
+    assert best_switch([r for r in rows if "PROFILE" in r["switch"]], switches) is None
