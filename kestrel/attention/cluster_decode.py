@@ -11,6 +11,11 @@ Triton kernel in the same call: the Qwen3-0.6B bs1 step −3.7% and −4.9%; the
 and −0.6% (its noise). KESTREL_CLUSTER_DECODE=N sets the programs a kv head (8 by default; 16 gained half as
 much); 0 turns it off. Other batches, dtypes and devices, and any machine where the kernel does not build, keep
 the Triton kernel.
+
+The kernel has two builds. On CUDA cores each key is split over 16 lanes and its scores are summed with
+shuffles; at bs1 that arithmetic was most of the kernel's time after the PDL wait (benchmarks/decode_timeline.py,
+session 14: 3.2 us at a group of 4). On tensor cores (KESTREL_CLUSTER_DECODE_MMA, by default for groups of 4 and
+more) a warp attends to 16-key tiles with mma.sync: 0.6 us, and the Llama-3.1-8B bs1 step −2.3 to −2.5%.
 """
 from __future__ import annotations
 
@@ -79,9 +84,9 @@ def mma(group: int, head_dim: int) -> bool:
     """Whether decode runs on the tensor-core build (a warp attends to 16-key tiles with mma.sync), from
     KESTREL_CLUSTER_DECODE_MMA: 1 / 0, or auto (default) = groups of 4 and more. Never at head_dim 256, where a
     tile's K, V and output fragments do not fit in registers. Measured on the H200 (session 14, same call): the
-    Llama-3.1-8B bs1 step (group 4) −2.5% and −2.3%; the Qwen3-0.6B step (group 2) +1.9% and +3.7%, whose
-    o_proj (a Triton kernel) then finds room beside decode's smaller programs and streams its weights during
-    decode, which lengthens decode's chain of round trips."""
+    Llama-3.1-8B bs1 step (group 4) −2.5% and −2.3%; the Qwen3-0.6B step (group 2) +1.9% and +3.7%, although
+    its kernel alone is faster. There decode's exposed time grew 0.8 us a layer while its o_proj (a Triton
+    kernel) started earlier, beside decode's smaller programs; that overlap is the suspect, not yet proven."""
     value = os.environ.get("KESTREL_CLUSTER_DECODE_MMA", "auto")
     if value not in ("auto", "0", "1"):
         raise ValueError(f"KESTREL_CLUSTER_DECODE_MMA={value}: use auto, 0 or 1")
