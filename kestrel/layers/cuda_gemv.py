@@ -239,7 +239,8 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             ptr(residual), ctypes.c_longlong(residual.stride(0) if residual is not None else 0),
             ptr(res_out if residual is not None else None), ctypes.c_longlong(res_out.stride(0)),
             ptr(norm_weight), ctypes.c_float(eps),
-            ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias), ptr(out), ctypes.c_longlong(out.stride(0) if out is not None else 0),
+            ptr(w), ctypes.c_longlong(w.stride(0)), ptr(bias),
+            ptr(out), ctypes.c_longlong(out.stride(0) if out is not None else 0),
             ctypes.c_int(m), ctypes.c_int(n), rope_args if rope_args is not None else RopeArgs()]
     grid = math.ceil(n / (cfg.warps * cfg.rows))
     kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),

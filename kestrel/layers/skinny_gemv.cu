@@ -25,8 +25,9 @@
 // the block's j-th row (warp j / ROWS, its row j % ROWS) is the (j % 2)-th row of its pair j / 2. The warps leave
 // their row sums in shared memory; one thread a (pair, token) then rotates the pair at the token's position (q and
 // k heads; HF's roundings, as attention_prologue.py) and writes q into rope.q_out and k, v into the paged caches
-// at the token's slot (-1: nothing written), so no prologue kernel runs between this matmul and decode attention. Positions, slots and cos/sin are read right after the wait (the
-// step's bookkeeping kernels write positions and slots), so their round trips hide under the matmul.
+// at the token's slot (-1: nothing written), so no prologue kernel runs between this matmul and decode attention.
+// Positions, slots and cos/sin are read right after the wait (the step's bookkeeping kernels write positions and
+// slots), so their round trips hide under the matmul.
 //
 // PDL: before griddepcontrol.wait only weights are read (no kernel of the step writes them: the read-only path,
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
