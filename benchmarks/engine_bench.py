@@ -22,6 +22,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.host_timing import GcPauses, interval_summary
 from benchmarks.roofline import decode_weight_bytes, weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
@@ -49,35 +50,45 @@ def copy_bandwidth_bytes_per_s() -> float:
     return 2 * (2 << 30) / seconds
 
 
-def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT."""
+def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int,
+                 intervals: list[float] | None = None) -> dict:
+    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT.
+    `intervals` gets the host time between step() returns once every request has its first token."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}-{t0}", p, params)
     tokens = 0
+    last = None
     while engine.has_unfinished():
         for up in engine.step():
             if up.new_token_ids and up.request_id not in first:
                 first[up.request_id] = time.perf_counter() - t0
             tokens += len(up.new_token_ids)
+        if intervals is not None and len(first) == len(prompts):
+            now = time.perf_counter()
+            if last is not None:
+                intervals.append(now - last)
+            last = now
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "output_tokens": tokens, "ttft_s": sorted(first.values())}
 
 
 def single_stream(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Prompts one at a time (the tuning report's method): tok/s = all output tokens / all wall time."""
-    walls, ttfts, tokens = [], [], 0
-    for p in prompts:
-        r = run_requests(engine, [p], max_tokens)
-        walls.append(r["wall_s"])
-        ttfts.append(r["ttft_s"][0])
-        tokens += r["output_tokens"]
+    walls, ttfts, tokens, intervals = [], [], 0, []
+    with GcPauses() as gc_pauses:
+        for p in prompts:
+            r = run_requests(engine, [p], max_tokens, intervals)
+            walls.append(r["wall_s"])
+            ttfts.append(r["ttft_s"][0])
+            tokens += r["output_tokens"]
     wall = sum(walls)
     decode_s = sum(w - t for w, t in zip(walls, ttfts))
     return {"tok_s": tokens / wall, "ms_per_token": 1000 * wall / tokens,
-            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts)}
+            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts),
+            "step_intervals": interval_summary(intervals), "gc_pauses": gc_pauses.summary()}
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from benchmarks.host_timing import GcPauses, interval_summary
 from benchmarks.roofline import decode_weight_bytes, weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import EngineConfig
@@ -155,9 +156,12 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None, 
         engine.step()
     torch.cuda.synchronize()
     t0 = time.perf_counter()
-    for _ in range(steps):
-        engine.step()
-    step_ms = 1000 * (time.perf_counter() - t0) / steps
+    stamps = []
+    with GcPauses() as gc_pauses:
+        for _ in range(steps):
+            engine.step()
+            stamps.append(time.perf_counter())
+    step_ms = 1000 * (stamps[-1] - t0) / steps
 
     graphs = engine.runner.graphs
     result = {"model": name, "engine_step_ms": step_ms, "tok_s": 1000 / step_ms,
@@ -165,7 +169,9 @@ def profile_model(name: str, workdir: Path, steps: int, trace_dir: Path | None, 
               "skinny_matmul": os.environ.get("KESTREL_SKINNY_MATMUL", "auto"),
               "cuda_gemv": os.environ.get("KESTREL_CUDA_GEMV", "auto"),
               "overlap_schedule": True, "ablate": os.environ.get("KESTREL_PROFILE_ABLATE", ""),
-              "cuda_graph_max_bs": graph_max_bs, "max_num_seqs": max_num_seqs}
+              "cuda_graph_max_bs": graph_max_bs, "max_num_seqs": max_num_seqs,
+              "step_intervals": interval_summary([b - a for a, b in zip(stamps, stamps[1:])]),
+              "gc_pauses": gc_pauses.summary()}
     if graphs is None:
         return result
     graph = graphs.graphs[graphs.buckets[0]]   # bs1 replays the smallest bucket (KESTREL_GRAPH_MIN_BS)
@@ -216,6 +222,7 @@ def print_result(r: dict) -> None:
     print(f"engine.step {r['engine_step_ms']:.3f} ms ({r['tok_s']:.0f} tok/s); graph replay "
           f"{r.get('graph_replay_ms', float('nan')):.3f} ms; kernels/step {r.get('kernels_per_step', 0):.0f}, "
           f"kernel time {r.get('kernel_us_per_step', 0):.0f} us, idle gaps {r.get('gap_us_per_step', 0):.0f} us")
+    print(f"host intervals between step() returns: {r.get('step_intervals')}; gc pauses: {r.get('gc_pauses')}")
     print(f"busy (exposed) {r.get('exposed_us_per_step', 0):.0f} us per step")
     print("| kernel | launches/step | us/step | us each | exposed us each |\n|---|---|---|---|---|")
     for k in r.get("kernels", [])[:25]:
