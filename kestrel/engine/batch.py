@@ -23,6 +23,8 @@ class ForwardBatch:
     max_query_len: int             # host-side copies so kernels need no device->host sync
     max_kv_len: int
     capture_hidden_layers: tuple[int, ...] = ()  # layers whose *input* hidden states are returned (EAGLE-3)
+    input_embeds: torch.Tensor | None = None     # [T, hidden] when the caller already looked the tokens up
+                                                 # (the decode graphs' fused head, layers/step_inputs.py)
 
     @property
     def num_tokens(self) -> int:
@@ -46,7 +48,7 @@ class ForwardBatch:
             query_start_loc=move(self.query_start_loc), kv_lens=move(self.kv_lens),
             block_table=move(self.block_table), slot_mapping=move(self.slot_mapping),
             logits_at=move(self.logits_at), max_query_len=self.max_query_len, max_kv_len=self.max_kv_len,
-            capture_hidden_layers=self.capture_hidden_layers,
+            capture_hidden_layers=self.capture_hidden_layers, input_embeds=move(self.input_embeds),
         )
 
 

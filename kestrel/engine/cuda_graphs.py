@@ -59,6 +59,33 @@ def graph_min_bs() -> int:
     return int(os.environ.get("KESTREL_GRAPH_MIN_BS", "1"))
 
 
+def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """The packed input buffer's fields (see the module docstring) as name -> (offset, length), and its size."""
+    fields = [(name, max_bs * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
+    fields += [("kv_lens", max_bs), ("rows", max_bs)] + [(name, max_updates) for name in ("upd_rows", "upd_cols",
+                                                                                              "upd_vals")]
+    layout, size = {}, 0
+    for name, n in fields:
+        layout[name] = (size, n)
+        size += n
+    return layout, size
+
+
+def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
+                      embed: torch.Tensor, block_table: torch.Tensor | None, bs: int, q: int, num_updates: int,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The graph's head in torch ops, with layers/step_inputs.py's signature: the new table entries, the batch's
+    block-table rows (whole rows, a new tensor: `block_table` and `block_size` are not used), its input tokens
+    and their embeddings."""
+    def view(name: str, n: int) -> torch.Tensor:
+        return packed[layout[name][0]:layout[name][0] + n]
+
+    tables.index_put_((view("upd_rows", num_updates), view("upd_cols", num_updates)), view("upd_vals", num_updates))
+    rows = tables.index_select(0, view("rows", bs))
+    input_ids = packed.index_select(0, view("input_src", bs * q))
+    return rows, input_ids, torch.nn.functional.embedding(input_ids, embed)
+
+
 @dataclass(slots=True)
 class GraphStepOutput:
     logits: torch.Tensor         # [bs, vocab] float32 (a view of the graph's static output)
@@ -84,14 +111,8 @@ class CudaGraphRunner:
         self.dummy_row = max_rows
         device = runner.device
         self.tables = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int64, device=device)
-        b, u = max_bs, self.max_updates
-        fields = [(name, b * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
-        fields += [("kv_lens", b), ("rows", b), ("upd_rows", u), ("upd_cols", u), ("upd_vals", u)]
-        self.layout, size = {}, 0
-        for name, n in fields:
-            self.layout[name] = (size, n)
-            size += n
-        self.host_start = b * q   # the host's part of the buffer starts after prev_tokens
+        self.layout, size = packed_layout(max_bs, q, self.max_updates)
+        self.host_start = max_bs * q   # the host's part of the buffer starts after prev_tokens
         # Two pinned input buffers and two token buffers, used in turn: the input copy out of one may still be
         # queued behind the GPU's current step when the host fills the next step's inputs, and step k's tokens are
         # read after step k + 1 is launched (the overlap schedule). Launch k uses pair k % 2; at most one launch is
@@ -112,6 +133,13 @@ class CudaGraphRunner:
         if device.type == "cuda" and os.environ.get("KESTREL_FUSED_ARGMAX", "1") == "1":
             from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
             self.argmax_scratch, self._logits_argmax = alloc_argmax_scratch(max_bs * q, device), logits_argmax
+        # The graph's head (table updates, block-table rows, input tokens, embeddings) in one kernel on CUDA
+        # (layers/step_inputs.py); its block-table rows go to this static buffer.
+        self._head, self.block_table = torch_step_inputs, None
+        if device.type == "cuda" and os.environ.get("KESTREL_FUSED_STEP_INPUTS", "1") != "0":
+            from kestrel.layers.step_inputs import step_inputs   # Triton: CUDA only
+            self._head = step_inputs
+            self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.pool = None
@@ -129,15 +157,14 @@ class CudaGraphRunner:
 
     def _graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
         n = bs * self.query_len   # query tokens
-        upd_rows, upd_cols, upd_vals = self._view("upd_rows"), self._view("upd_cols"), self._view("upd_vals")
-        self.tables.index_put_((upd_rows, upd_cols), upd_vals)
-        block_table = self.tables.index_select(0, self._view("rows", bs))
-        input_ids = self.dev.index_select(0, self._view("input_src", n))
+        block_table, input_ids, embeds = self._head(
+            self.dev, self.layout, self.tables, self.runner.model.embed_tokens.weight, self.block_table, bs,
+            self.query_len, self.max_updates, self.runner.block_size)
         batch = ForwardBatch(
             input_ids=input_ids, positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
             block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=None,
-            max_query_len=self.query_len, max_kv_len=self.max_kv_len,
+            max_query_len=self.query_len, max_kv_len=self.max_kv_len, input_embeds=embeds,
         )
         tokens = self._view("prev_tokens", n)
         if self.argmax_scratch is not None:

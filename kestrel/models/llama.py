@@ -155,7 +155,7 @@ class LlamaForCausalLM(nn.Module):
                 kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns the final-norm hidden states at batch.logits_at (all of them for None) and the requested layer
         inputs."""
-        hidden = self.embed_tokens(batch.input_ids)
+        hidden = self.embed_tokens(batch.input_ids) if batch.input_embeds is None else batch.input_embeds
         residual = None
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
