@@ -84,7 +84,7 @@ def test_matches_the_torch_ops_on_random_steps(q):
 def test_step_inputs_kernel_builds_for_sm90():
     from kestrel.layers.step_inputs import _step_inputs_kernel
     from tests.sm90 import compile_for_sm90
-    ptx = compile_for_sm90(_step_inputs_kernel, {"Q": 1, "HIDDEN": 4096, "UPD_BLOCK": 256, "COL_BLOCK": 64, "HID_BLOCK": 2048},
+    ptx = compile_for_sm90(_step_inputs_kernel, {"Q": 1, "QP": 1, "HIDDEN": 4096, "UPD_BLOCK": 256, "COL_BLOCK": 64, "HID_BLOCK": 2048},
                            {"packed_ptr": "*i64", "tables_ptr": "*i64", "block_table_ptr": "*i64",
                             "input_ids_ptr": "*i64"})
     # the row copy reads entries this program just stored: a CTA barrier between them, and no read-only-path load
