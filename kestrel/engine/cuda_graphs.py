@@ -13,7 +13,8 @@ Block tables live on the device across steps ("persistent rows"): each running s
     tables: [max_rows + 1, max_blocks_per_seq]      the last row is a dummy that padding reads and writes
 
 and a step only ships the blocks appended since the sequence's last graph step, as (row, col, block) triples
-that the graph scatters into `tables` before gathering the batch's rows. The packed input buffer (int64):
+that the graph scatters into `tables` before gathering the batch's rows (on CUDA one kernel does the scatter, the
+gather, the input tokens and their embeddings: layers/step_inputs.py). The packed input buffer (int64):
 
     | prev_tokens [B*Q] | input_ids [B*Q] | input_src [B*Q] | positions [B*Q] | slot_mapping [B*Q] |
     | kv_lens [B] | rows [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
