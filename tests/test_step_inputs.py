@@ -23,7 +23,9 @@ def test_step_inputs_under_triton_interpreter():
 
 def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int, width: int, block_size: int,
                  vocab: int, max_updates: int) -> torch.Tensor:
-    """A packed buffer as CudaGraphRunner._launch_rows fills it: bs real rows, the rest of the bucket padding."""
+    """A packed buffer as CudaGraphRunner._launch_rows fills it: bs real rows, the rest of the bucket padding.
+    Padding updates target the dummy row, whose contents nobody reads for a real row; the kernel writes them only
+    when a padding row is in the launch, torch's index_put always, so the tests compare the other rows."""
     layout, size = packed_layout(max_bs, q, max_updates)
     packed = torch.zeros(size, dtype=torch.int64)
 
@@ -70,7 +72,7 @@ def test_matches_the_torch_ops_on_random_steps(q):
         before = block_table.clone()
         got = step_inputs(packed, layout, tables, embed, block_table, bucket, q, max_updates, block_size)
         want = torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_updates, block_size)
-        assert torch.equal(tables, tables_ref)
+        assert torch.equal(tables[:max_rows], tables_ref[:max_rows])   # see _random_step: the dummy row
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         assert got[0].data_ptr() == block_table.data_ptr() and got[0].shape == (bucket, width)
         kv_lens = packed[layout["kv_lens"][0]:layout["kv_lens"][0] + bucket].tolist()
