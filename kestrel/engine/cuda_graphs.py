@@ -63,8 +63,8 @@ def graph_min_bs() -> int:
 def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
     """The packed input buffer's fields (see the module docstring) as name -> (offset, length), and its size."""
     fields = [(name, max_bs * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
-    fields += [("kv_lens", max_bs), ("rows", max_bs)] + [(name, max_updates) for name in ("upd_rows", "upd_cols",
-                                                                                              "upd_vals")]
+    fields += [("kv_lens", max_bs), ("rows", max_bs)]
+    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
     layout, size = {}, 0
     for name, n in fields:
         layout[name] = (size, n)

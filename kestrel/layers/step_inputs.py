@@ -18,7 +18,8 @@ three dependent round trips (its packed fields; the token and the table row; the
                 3. token t of the row: input_ids[t] = packed[input_src[t]]; embeds[t] = embed[input_ids[t]]
 
 Rows are distinct for real sequences; padding rows share the dummy row, and their updates (col 0, block 0) write
-the same value, so the programs never race on a value that matters. KESTREL_FUSED_STEP_INPUTS=0 keeps the torch
+the same value, so the programs never race on a value that matters. Unlike torch's index_put, the padding updates
+land only when a padding row is in the launch; the dummy row holds valid block ids (zeros) either way. KESTREL_FUSED_STEP_INPUTS=0 keeps the torch
 ops (`torch_step_inputs` in engine/cuda_graphs.py, also the CPU path).
 """
 from __future__ import annotations
