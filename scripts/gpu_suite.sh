@@ -100,6 +100,9 @@ if [[ $STAGES == *" profile "* ]]; then
   # on the 8B (CUDA cores +2.3% against it), +1.9% / +3.7% on the 0.6B (kept on CUDA cores); 1 tile a warp
   # +0.6% and 2 warps +0.4% against 2 tiles and 4 warps; 1-warp programs +2.1% (cluster 16) / +2.7% (8);
   # cluster 4 +0.2%.
+  # Session 15: wider tensor-core decode programs (cluster 2 / 4 with 8 warps) +0.3% / +0.2%; the engine's sizes
+  # (KESTREL_PROFILE_LIKE_BENCH=1) +0.4%, mostly the graph's index_put of 256 update slots; the torch graph head
+  # (KESTREL_FUSED_STEP_INPUTS=0) +1.0% on the 0.6B, -0.1% / -0.3% on the 8B (inside its spread).
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.
