@@ -23,6 +23,7 @@ nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | 
 #   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
 #   cudagemv: the CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)
 #   timeline: the cluster decode kernel's segments, timed inside it (benchmarks/decode_timeline.py)
+#   layertimeline: the 8B's bs1 layer chain, each matmul's wait, staging, steps and tail (benchmarks/layer_timeline.py)
 #   boundary: a dependent chain of phases: kernel boundaries vs grid barriers, and weights streamed ahead (benchmarks/boundary_bench.py)
 #   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
 STAGES=" ${STAGES:-tests bench serve} "
@@ -59,6 +60,16 @@ fi
 if [[ $STAGES == *" timeline "* ]]; then
   step "cluster decode, timed inside the kernel (benchmarks/decode_timeline.py)"
   timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.decode_timeline --out "$OUT/decode_timeline.json" 2>> "$LOG" | tee -a "$LOG"
+fi
+if [[ $STAGES == *" layertimeline "* ]]; then
+  step "the 8B's bs1 layer chain, its matmuls timed inside them (benchmarks/layer_timeline.py)"
+  # LAYER_TIMELINE_AB="SWITCH ...": a second run per switch ('+' joins switches), e.g. KESTREL_CUDA_GEMV_CONFIG=...
+  timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.layer_timeline --out "$OUT/layer_timeline.json" 2>> "$LOG" | tee -a "$LOG"
+  for ab in ${LAYER_TIMELINE_AB:-}; do
+    echo "--- $ab" | tee -a "$LOG"
+    env ${ab//+/ } timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.layer_timeline \
+      --out "$OUT/layer_timeline_$(echo "$ab" | tr -c 'A-Za-z0-9\n' _).json" 2>> "$LOG" | tee -a "$LOG"
+  done
 fi
 if [[ $STAGES == *" profile "* ]]; then
   if [ "${GEMV_BENCH:-1}" = 1 ]; then

@@ -47,6 +47,20 @@ def test_builds_for_hopper_without_spills_and_only_weights_before_the_wait(layer
     assert built.ptx.index("griddepcontrol.launch_dependents") > wait
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("layer", list(LAYERS_8B))
+def test_the_stamped_build_fits_the_same_registers_and_the_production_build_reads_no_clock(layer):
+    # benchmarks/layer_timeline.py times the production kernels' schedule: the STAMPS build must not spill or lose
+    # its two blocks an SM, and the build the engine runs must carry none of it
+    n, k, norm, silu = LAYERS_8B[layer]
+    config = cuda_gemv.default_config(n, k, silu)
+    rope = cuda_gemv.RopeShape(128, 32, 8) if layer == "qkv" else None
+    stamped = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope, stamps=True)
+    plain = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope)
+    assert stamped.spill_bytes() == 0 and 0 < stamped.registers() <= 128, stamped.log
+    assert "%globaltimer" in stamped.ptx and "%globaltimer" not in plain.ptx and "%clock64" not in plain.ptx
+
+
 def test_default_configs_fill_whole_waves_on_the_h200():
     assert cuda_gemv.default_config(6144, 4096) == cuda_gemv.CudaGemvConfig(rows=3, u=4)       # 256 blocks
     assert cuda_gemv.default_config(4096, 4096) == cuda_gemv.CudaGemvConfig(rows=2, u=8)       # 256 blocks

@@ -43,6 +43,7 @@ LOADS_PER_LANE = 16         # 16-byte weight loads a lane keeps in flight per st
                             # of x, whose activation loads would otherwise spill under 128 registers
 BLOCKS_PER_SM = 2           # __launch_bounds__(256, 2)
 NORM_SHARED_BYTES = 48 * 1024   # the staged activation [M_TILE, K] bf16 must fit static shared memory
+STAMP_COLUMNS = 6 + 3           # skinny_gemv.cu's NUM_STAMPS clocks, then three %globaltimer values
 
 
 @dataclass(frozen=True)
@@ -132,46 +133,58 @@ def _builds(device: int) -> bool:
 
 
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-                   arch: str = "sm_90", rope: RopeShape | None = None) -> cuda_rtc.Compiled:
+                   arch: str = "sm_90", rope: RopeShape | None = None, stamps: bool = False) -> cuda_rtc.Compiled:
+    """stamps: the STAMPS=1 build (benchmarks/layer_timeline.py), which takes a stamp buffer as a last argument."""
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
                    SILU=int(silu))
     if rope is not None:
         defines |= dict(ROPE=1, HEAD_DIM=rope.head_dim, NUM_HEADS=rope.num_heads, NUM_KV_HEADS=rope.num_kv_heads)
+    if stamps:
+        defines |= dict(STAMPS=1)
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-            rope: RopeShape | None = None) -> cuda_rtc.Kernel:
-    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope)
+            rope: RopeShape | None = None, stamps: bool = False) -> cuda_rtc.Kernel:
+    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope, stamps)
     return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
 
 
+def stamp_rows(n: int, k: int, silu: bool = False, m: int = 1, config: CudaGemvConfig | None = None) -> int:
+    """Rows of the stamp buffer a launch fills (one a warp; STAMP_COLUMNS int64 each)."""
+    m_tile = 1 if m == 1 else 2 if m == 2 else 4
+    cfg = config or _config(torch.cuda.current_device(), n, k, silu, m_tile)
+    return math.ceil(n / (cfg.warps * cfg.rows)) * cfg.warps
+
+
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: CudaGemvConfig | None = None) -> torch.Tensor:
-    """gemv_ref: x [M <= 4, K] @ w [N, K].T (+ bias) -> [M, N]."""
-    return _launch(x, None, None, 0.0, w, bias, False, False, config)[0]
+         config: CudaGemvConfig | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
+    """gemv_ref: x [M <= 4, K] @ w [N, K].T (+ bias) -> [M, N]. stamps (every function here): run the STAMPS
+    build, which writes [stamp_rows(...), STAMP_COLUMNS] int64 into it (benchmarks/layer_timeline.py)."""
+    return _launch(x, None, None, 0.0, w, bias, False, False, config, stamps=stamps)[0]
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None,
+                      stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_ref: (rms_norm(x + residual) @ w.T (+ bias), x + residual); residual None: x itself."""
-    return _launch(x, residual, norm_weight, eps, w, bias, True, False, config)
+    return _launch(x, residual, norm_weight, eps, w, bias, True, False, config, stamps=stamps)
 
 
 def add_rms_norm_gemv_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                           w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None,
+                           stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_silu_ref: w = [gate | up] [2I, K] -> (silu(gate) * up [M, I], x + residual)."""
-    return _launch(x, residual, norm_weight, eps, w, bias, True, True, config)
+    return _launch(x, residual, norm_weight, eps, w, bias, True, True, config, stamps=stamps)
 
 
 def add_rms_norm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                            cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                           config: CudaGemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           config: CudaGemvConfig | None = None, stamps: torch.Tensor | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_rope_ref: the fused QKV projection of a decode step and its attention prologue (no q/k
     norm) -> (rotated q [M, num_heads, head_dim], x + residual); k and v go into the caches at slot_mapping."""
     m = x.shape[0]
@@ -186,7 +199,7 @@ def add_rms_norm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_
                     q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
                     *v_cache.stride()[:3], k_cache.shape[1])
     _, res_out = _launch(x, residual, norm_weight, eps, w, bias, True, False, config,
-                         RopeShape(head_dim, num_heads, num_kv_heads), args)
+                         RopeShape(head_dim, num_heads, num_kv_heads), args, stamps)
     return q, res_out
 
 
@@ -211,7 +224,7 @@ def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, n
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None,
-            rope: RopeShape | None = None, rope_args: RopeArgs | None = None
+            rope: RopeShape | None = None, rope_args: RopeArgs | None = None, stamps: torch.Tensor | None = None
             ) -> tuple[torch.Tensor | None, torch.Tensor]:
     m, k = x.shape
     assert w.shape[1] == k and m <= MAX_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}: K must match, M <= {MAX_M}"
@@ -229,7 +242,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
     cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
-    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope)
+    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, stamps is not None)
     null = ctypes.c_void_p(0)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -243,6 +256,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             ptr(out), ctypes.c_longlong(out.stride(0) if out is not None else 0),
             ctypes.c_int(m), ctypes.c_int(n), rope_args if rope_args is not None else RopeArgs()]
     grid = math.ceil(n / (cfg.warps * cfg.rows))
+    if stamps is not None:
+        assert stamps.dtype == torch.int64 and stamps.is_contiguous() \
+            and stamps.numel() >= grid * cfg.warps * STAMP_COLUMNS, "stamps: [stamp_rows(...), STAMP_COLUMNS] int64"
+        args.append(ptr(stamps))
     kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),
                   pdl=pdl_enabled(x.device))
     return out, res_out

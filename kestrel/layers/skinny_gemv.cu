@@ -32,8 +32,25 @@
 // PDL: before griddepcontrol.wait only weights are read (no kernel of the step writes them: the read-only path,
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
+//
+// STAMPS=1 (benchmarks/layer_timeline.py only): lane 0 of every warp records clock64() at NUM_STAMPS points (entry,
+// the PDL wait's release, the staged activation, step 0 consumed, the last step consumed, its stores done) and
+// %globaltimer at entry, the release and the end, into the last argument stamps[block * WARPS + warp][NUM_STAMPS
+// + 3]. The production build has neither the argument nor the reads.
 
 #include "kestrel_cuda.cuh"
+
+#ifndef STAMPS
+#define STAMPS 0
+#endif
+#define NUM_STAMPS 6
+#if STAMPS
+#define STAMP(i) do { clocks[i] = clock64(); if ((i) == 1) wall[1] = globaltimer(); } while (0)
+#define STAMPS_ARG , long long* stamps
+#else
+#define STAMP(i) do { } while (0)
+#define STAMPS_ARG
+#endif
 
 #define THREADS (WARPS * 32)
 #define HALVES (SILU ? 2 : 1)
@@ -76,6 +93,28 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
+
+#if STAMPS
+__device__ __forceinline__ long long globaltimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
+// lane 0 of a warp: its clocks, then the three %globaltimer values (entry, release, now)
+__device__ __forceinline__ void write_stamps(long long* stamps, const long long (&clocks)[NUM_STAMPS],
+                                             const long long (&wall)[3]) {
+  if (threadIdx.x % 32 != 0) return;
+  long long* row = stamps + ((long long)blockIdx.x * WARPS + threadIdx.x / 32) * (NUM_STAMPS + 3);
+  for (int i = 0; i < NUM_STAMPS; ++i) row[i] = clocks[i];
+  row[NUM_STAMPS] = wall[0];
+  row[NUM_STAMPS + 1] = wall[1];
+  row[NUM_STAMPS + 2] = globaltimer();
+}
+#define FINISH_STAMPS() do { clocks[5] = clock64(); write_stamps(stamps, clocks, wall); } while (0)
+#else
+#define FINISH_STAMPS() do { } while (0)
+#endif
 
 __device__ __forceinline__ void load_step(Vec (&buf)[WROWS][U], const bf16_t* const (&rows)[WROWS], int step) {
 #pragma unroll
@@ -163,7 +202,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     const bf16_t* __restrict__ w, long long stride_w,      // [N * HALVES, K]
     const bf16_t* bias,                                    // [N * HALVES] or null
     bf16_t* out, long long stride_out,                     // [M, N]; ROPE: unused (rope.q_out and the caches)
-    int M, int N, RopeArgs rope) {
+    int M, int N, RopeArgs rope STAMPS_ARG) {
+#if STAMPS
+  long long clocks[NUM_STAMPS], wall[3];
+  clocks[0] = clock64();
+  wall[0] = globaltimer();
+#endif
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = (blockIdx.x * WARPS + warp) * ROWS;
   int row_of[ROWS];                   // the output row of each of the warp's rows (>= N: past the end)
@@ -189,6 +233,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   load_norm_weight(norm_weight, norm_w);
 #endif
   pdl_wait_then_signal();
+  STAMP(1);
 
 #if ROPE   // the rotation's inputs, first thing after the wait: two dependent round trips under the matmul
   const int rope_pair = threadIdx.x % PAIRS, rope_m = threadIdx.x / PAIRS;   // this thread's (pair, token)
@@ -208,6 +253,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   __shared__ __align__(16) bf16_t act[M_TILE][K];
   stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_weight, eps, M);
 #endif
+  STAMP(2);
 
   float acc[WROWS][M_TILE];
 #pragma unroll
@@ -236,12 +282,16 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
             acc[r][m] += lo(buf[r][u].w[i]) * lo(a.w[i]) + hi(buf[r][u].w[i]) * hi(a.w[i]);
       }
     }
+#if STAMPS
+    if (s == 0) STAMP(3);
+#endif
   }
 
 #pragma unroll
   for (int r = 0; r < WROWS; ++r)
 #pragma unroll
     for (int m = 0; m < M_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
+  STAMP(4);
 #if ROPE
   __shared__ float pair_sums[WARPS * ROWS][M_TILE];   // the block's row sums (+ bias), rounded to bf16
   if (lane == 0) {
@@ -254,7 +304,10 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     }
   }
   __syncthreads();
-  if (!rotates) return;
+  if (!rotates) {
+    FINISH_STAMPS();   // lane 0 of a warp whose thread rotates nothing (M past the tokens): the syncthreads above
+    return;
+  }
   const int head = rope_pair_global / HALF, i = rope_pair_global % HALF;
   float x1 = pair_sums[2 * rope_pair][rope_m], x2 = pair_sums[2 * rope_pair + 1][rope_m];
   if (head < NUM_HEADS + NUM_KV_HEADS) {   // q or k: rotate (cos/sin rounded to bf16, as HF)
@@ -267,9 +320,13 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     bf16_t* q = rope.q_out + rope_m * rope.stride_q + head * HEAD_DIM + i;
     q[0] = to_bf16(x1);
     q[HALF] = to_bf16(x2);
+    FINISH_STAMPS();
     return;
   }
-  if (rope_slot < 0) return;
+  if (rope_slot < 0) {
+    FINISH_STAMPS();
+    return;
+  }
   const long long block = rope_slot / rope.block_size, offset = rope_slot % rope.block_size;
   const bool is_k = head < NUM_HEADS + NUM_KV_HEADS;
   const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
@@ -277,6 +334,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
                      : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
   dst[i] = to_bf16(x1);
   dst[i + HALF] = to_bf16(x2);
+  FINISH_STAMPS();
 #else
   if (lane != 0) return;
 #pragma unroll
@@ -295,5 +353,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
       out[m * stride_out + n] = to_bf16(y);
     }
   }
+  FINISH_STAMPS();
 #endif
 }

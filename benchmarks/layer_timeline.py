@@ -1,0 +1,191 @@
+"""Where a Llama-3.1-8B bs1 layer's time goes between and inside its matmuls (layers/skinny_gemv.cu, STAMPS=1).
+
+The 8B bs1 step spends ~11 us a layer beyond its weight bytes at copy bandwidth: qkv ~3 us over its 50 MB, o_proj
+~2.4 over its 34 MB, decode attention ~4.5 exposed (BENCHMARKS.md, session 15). The profile's kernel table gives
+each kernel's exposed time, not what happens inside it. This runs LAYERS layers of the 8B's decode chain with
+random bf16 weights of the real shapes (3.5 GB, past the 50 MB L2), the kernels the engine runs at bs1:
+
+    qkv      add_rms_norm_gemv_rope (add + RMSNorm, the QKV matmul, rotary, the K/V write)
+    decode   cluster_decode.decode_attention (not stamped: its window is qkv's end to o_proj's release)
+    o_proj   gemv
+    gate_up  add_rms_norm_gemv_silu
+    down     gemv
+
+inside one CUDA graph with PDL, as the engine's graph. Every matmul is the STAMPS build: lane 0 of every warp
+records clock64() at entry, the PDL wait's release, the staged activation, step 0 consumed, the last step
+consumed and the stores done, and %globaltimer at entry, the release and the end. Per matmul (median over layers
+1.. and replays) it prints, in us from the end of the kernel before it (its last warp's end; for o_proj, qkv's):
+
+    entry      the first warp's entry (negative: launched early by PDL)
+    release    the first warp's and the median warp's release from the wait
+    segments   per warp (median): staging, step 0, later steps, tail (clock64, converted at the measured clock)
+    end        the median warp's end and the last warp's end (the last is the kernel's exposed time)
+
+    python -m benchmarks.layer_timeline --out /tmp/layer_timeline.json [--layers 8 --context 256 --replays 20]
+
+KESTREL_CUDA_GEMV_CONFIG and the decode kernel's switches apply as in the engine, so an A/B is a second run.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+
+import torch
+
+from benchmarks import write_json
+from kestrel.attention import cluster_decode
+from kestrel.layers import cuda_gemv
+
+HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336   # Llama-3.1-8B
+EPS, BLOCK_SIZE = 1e-5, 16
+MATMULS = ["qkv", "o_proj", "gate_up", "down"]
+SEGMENTS = ["staging", "step 0", "later steps", "tail"]   # clock64 stamps 1 -> 2 -> 3 -> 4 -> 5
+CLOCKS = 6   # skinny_gemv.cu's NUM_STAMPS; columns CLOCKS.. are %globaltimer (entry, release, end)
+
+
+def _layer_weights(gen: torch.Generator) -> dict[str, torch.Tensor]:
+    def weight(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+
+    def norm() -> torch.Tensor:
+        return (1 + 0.1 * torch.randn(HIDDEN, device="cuda", generator=gen)).to(torch.bfloat16)
+
+    return {"qkv": weight((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN), "o_proj": weight(HIDDEN, HIDDEN),
+            "gate_up": weight(2 * INTERMEDIATE, HIDDEN), "down": weight(HIDDEN, INTERMEDIATE),
+            "norm1": norm(), "norm2": norm()}
+
+
+class Chain:
+    """LAYERS layers of the 8B's bs1 decode chain on fixed buffers, so that a CUDA graph can replay it."""
+
+    def __init__(self, layers: int, context: int, seed: int = 0):
+        gen = torch.Generator(device="cuda").manual_seed(seed)
+        self.weights = [_layer_weights(gen) for _ in range(layers)]
+        blocks = math.ceil(context / BLOCK_SIZE)
+        cache_shape = (blocks, BLOCK_SIZE, KV_HEADS, HEAD_DIM)
+        self.caches = [(torch.randn(cache_shape, device="cuda", generator=gen).to(torch.bfloat16),
+                        torch.randn(cache_shape, device="cuda", generator=gen).to(torch.bfloat16))
+                       for _ in range(layers)]
+        self.block_table = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(1, -1)
+        self.kv_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+        last = context - 1   # the new token: its K/V go to its slot, then attention reads them
+        self.positions = torch.tensor([last], dtype=torch.int64, device="cuda")
+        slot = self.block_table[0, last // BLOCK_SIZE].item() * BLOCK_SIZE + last % BLOCK_SIZE
+        self.slots = torch.tensor([slot], dtype=torch.int64, device="cuda")
+        angles = torch.outer(torch.arange(context + 1, device="cuda", dtype=torch.float32),   # [position, half]
+                             500000.0 ** (-torch.arange(0, HEAD_DIM, 2, device="cuda") / HEAD_DIM))
+        self.cos_sin = torch.cat([angles.cos(), angles.sin()], dim=-1).contiguous()   # [cos | sin], fp32
+        self.x = torch.randn(1, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        self.residual = torch.randn(1, HIDDEN, device="cuda", generator=gen).to(torch.bfloat16)
+        shapes = {"qkv": ((HEADS + 2 * KV_HEADS) * HEAD_DIM, HIDDEN, False), "o_proj": (HIDDEN, HIDDEN, False),
+                  "gate_up": (INTERMEDIATE, HIDDEN, True), "down": (HIDDEN, INTERMEDIATE, False)}
+        self.stamps = [{name: torch.zeros(cuda_gemv.stamp_rows(*shape), cuda_gemv.STAMP_COLUMNS, dtype=torch.int64,
+                                          device="cuda") for name, shape in shapes.items()} for _ in range(layers)]
+        self.out = torch.empty_like(self.x)
+
+    def run(self, stamped: bool = True) -> torch.Tensor:
+        """One pass through every layer; the last down's output lands in self.out."""
+        x, residual = self.x, self.residual
+        for w, (k_cache, v_cache), stamps in zip(self.weights, self.caches, self.stamps):
+            s = stamps if stamped else dict.fromkeys(stamps)
+            q, h = cuda_gemv.add_rms_norm_gemv_rope(
+                x, residual, w["norm1"], EPS, w["qkv"], None, self.positions, self.cos_sin, k_cache, v_cache,
+                self.slots, HEADS, KV_HEADS, HEAD_DIM, stamps=s["qkv"])
+            attn = cluster_decode.decode_attention(q, k_cache, v_cache, self.block_table, self.kv_lens,
+                                                   HEAD_DIM ** -0.5)
+            o = cuda_gemv.gemv(attn.view(1, HIDDEN), w["o_proj"], stamps=s["o_proj"])
+            act, residual = cuda_gemv.add_rms_norm_gemv_silu(o, h, w["norm2"], EPS, w["gate_up"],
+                                                             stamps=s["gate_up"])
+            x = cuda_gemv.gemv(act, w["down"], stamps=s["down"])
+        self.out.copy_(x)
+        return self.out
+
+
+def _median(values: list[float]) -> float:
+    return statistics.median(values) if values else float("nan")
+
+
+def analyse(stamps: list[dict[str, torch.Tensor]]) -> dict:
+    """One replay's stamps -> per matmul, per layer past the first: ns from the previous kernel's last end."""
+    rows = [{name: t.cpu() for name, t in layer.items()} for layer in stamps]
+    per: dict[str, dict[str, list[float]]] = {name: {} for name in MATMULS}
+    ns_per_cycle = []
+    for i in range(1, len(rows)):
+        before = {"qkv": rows[i - 1]["down"], "o_proj": rows[i]["qkv"], "gate_up": rows[i]["o_proj"],
+                  "down": rows[i]["gate_up"]}
+        for name in MATMULS:
+            t = rows[i][name].double()
+            prev_end = before[name][:, CLOCKS + 2].max().item()
+            entry, release, end = (t[:, CLOCKS + j] - prev_end for j in range(3))
+            clocks = t[:, :CLOCKS]
+            ns_per_cycle.append(((t[:, CLOCKS + 2] - t[:, CLOCKS]) / (clocks[:, 5] - clocks[:, 0])).median().item())
+            found = per[name]
+            for key, value in (("entry first", entry.min()), ("release first", release.min()),
+                               ("release median", release.median()), ("end median", end.median()),
+                               ("end last", end.max())):
+                found.setdefault(key, []).append(value.item())
+            for s, segment in enumerate(SEGMENTS):
+                found.setdefault(segment, []).append((clocks[:, s + 2] - clocks[:, s + 1]).median().item())
+    return {"per": per, "ns_per_cycle": ns_per_cycle}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--replays", type=int, default=20)
+    parser.add_argument("--out")
+    args = parser.parse_args()
+    torch.manual_seed(0)
+    chain = Chain(args.layers, args.context)
+    q_probe = torch.empty(1, HEADS, HEAD_DIM, dtype=torch.bfloat16, device="cuda")
+    assert cuda_gemv.usable(chain.x, chain.weights[0]["qkv"], norm=True) and cluster_decode.usable(
+        q_probe, *chain.caches[0], 1), "needs a Hopper GPU with the CUDA matmuls and the cluster decode kernel"
+    # The stamped build must compute what the engine's build computes (caches are rewritten identically).
+    plain = chain.run(stamped=False).clone()
+    stamped = chain.run(stamped=True).clone()
+    assert torch.equal(plain, stamped), "the stamped build computed something else"
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain.run(stamped=True)
+    merged: dict[str, dict[str, list[float]]] = {name: {} for name in MATMULS}
+    ns_per_cycle: list[float] = []
+    for replay in range(args.replays + 3):
+        graph.replay()
+        torch.cuda.synchronize()
+        if replay < 3:   # warm-up
+            continue
+        found = analyse(chain.stamps)
+        ns_per_cycle += found["ns_per_cycle"]
+        for name in MATMULS:
+            for key, values in found["per"][name].items():
+                merged[name].setdefault(key, []).extend(values)
+    ns = _median(ns_per_cycle)
+    table = {}
+    for name in MATMULS:
+        row = {key: _median(values) / 1000 * (ns if key in SEGMENTS else 1.0) for key, values in merged[name].items()}
+        table[name] = row
+    decode_window = table["o_proj"]["release first"]
+    print(f"8B bs1 layer chain, {args.layers} layers, context {args.context}, {args.replays} replays; "
+          f"clock {1 / ns:.3f} GHz (clock64 against %globaltimer); us from the previous kernel's last warp's end "
+          "(o_proj: qkv's; decode runs between)")
+    keys = ["entry first", "release first", "release median", *SEGMENTS, "end median", "end last"]
+    print("| matmul | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    for name in MATMULS:
+        print(f"| {name} | " + " | ".join(f"{table[name][k]:.2f}" for k in keys) + " |")
+    layer = sum(table[name]["end last"] for name in MATMULS)
+    print(f"decode window (qkv's last end to o_proj's first release): {decode_window:.2f} us; "
+          f"a layer (sum of the last ends): {layer:.2f} us")
+    write_json(args.out, {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
+                          "replays": args.replays, "ghz": 1 / ns, "table": table,
+                          "decode_window_us": decode_window, "layer_us": layer,
+                          "configs": {name: str(cuda_gemv.config_override(*shape) or "default") for name, shape in
+                                      {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (14336, 4096),
+                                       "down": (4096, 14336)}.items()}})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
