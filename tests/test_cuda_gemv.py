@@ -61,6 +61,27 @@ def test_the_stamped_build_fits_the_same_registers_and_the_production_build_read
     assert "%globaltimer" in stamped.ptx and "%globaltimer" not in plain.ptx and "%clock64" not in plain.ptx
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("prewait", [True, False])
+@pytest.mark.parametrize("layer", list(LAYERS_8B))
+def test_the_bulk_copied_activation_builds_and_copies_after_the_wait(layer, prewait):
+    # KESTREL_CUDA_GEMV_TMA_X: x (and the residual) arrive by one bulk copy into shared memory, issued after
+    # griddepcontrol.wait (the previous kernel writes them); the dot products then read shared memory only
+    n, k, norm, silu = LAYERS_8B[layer]
+    config = cuda_gemv.default_config(n, k, silu)
+    rope = cuda_gemv.RopeShape(128, 32, 8) if layer == "qkv" else None
+    built = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope,
+                                     stage=cuda_gemv.Staging(tma_x=True, prewait=prewait))
+    assert built.spill_bytes() == 0 and 0 < built.registers() <= 128, built.log
+    wait = built.ptx.index("griddepcontrol.wait")
+    assert "cp.async.bulk" not in built.ptx[:wait] and "cp.async.bulk.shared" in built.ptx[wait:]
+    assert not any(op.startswith("ld.global.v4") for op in _loads(built.ptx))   # x is never read from global
+    before = _loads(built.ptx[:wait])[STREAM]
+    assert before == (config.rows * (2 if silu else 1) * config.u if prewait else 0)
+    with pytest.raises(AssertionError):
+        cuda_gemv.compile_kernel(k, config, 2, norm, silu, stage=cuda_gemv.Staging(tma_x=True))
+
+
 def test_default_configs_fill_whole_waves_on_the_h200():
     assert cuda_gemv.default_config(6144, 4096) == cuda_gemv.CudaGemvConfig(rows=3, u=4)       # 256 blocks
     assert cuda_gemv.default_config(4096, 4096) == cuda_gemv.CudaGemvConfig(rows=2, u=8)       # 256 blocks

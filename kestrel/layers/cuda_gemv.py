@@ -132,11 +132,28 @@ def _builds(device: int) -> bool:
         return False
 
 
+@dataclass(frozen=True)
+class Staging:
+    """How a build reads its activation after the PDL wait (skinny_gemv.cu: TMA_X, PREWAIT)."""
+    tma_x: bool = False     # one bulk copy into shared memory (one row of x only)
+    prewait: bool = True    # the first step's weight loads before the wait (False: after the activation, a diagnostic)
+
+
+@functools.lru_cache(maxsize=None)
+def staging(m_tile: int) -> Staging:
+    """The environment's staging for a build of m_tile rows: KESTREL_CUDA_GEMV_TMA_X=1 (one row only) and
+    KESTREL_CUDA_GEMV_PREWAIT=0."""
+    return Staging(tma_x=m_tile == 1 and os.environ.get("KESTREL_CUDA_GEMV_TMA_X", "0") == "1",
+                   prewait=os.environ.get("KESTREL_CUDA_GEMV_PREWAIT", "1") != "0")
+
+
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-                   arch: str = "sm_90", rope: RopeShape | None = None, stamps: bool = False) -> cuda_rtc.Compiled:
+                   arch: str = "sm_90", rope: RopeShape | None = None, stamps: bool = False,
+                   stage: Staging = Staging()) -> cuda_rtc.Compiled:
     """stamps: the STAMPS=1 build (benchmarks/layer_timeline.py), which takes a stamp buffer as a last argument."""
+    assert not stage.tma_x or m_tile == 1, "TMA_X stages one row of x"
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
-                   SILU=int(silu))
+                   SILU=int(silu), TMA_X=int(stage.tma_x), PREWAIT=int(stage.prewait))
     if rope is not None:
         defines |= dict(ROPE=1, HEAD_DIM=rope.head_dim, NUM_HEADS=rope.num_heads, NUM_KV_HEADS=rope.num_kv_heads)
     if stamps:
@@ -146,8 +163,8 @@ def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-            rope: RopeShape | None = None, stamps: bool = False) -> cuda_rtc.Kernel:
-    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope, stamps)
+            rope: RopeShape | None = None, stamps: bool = False, stage: Staging = Staging()) -> cuda_rtc.Kernel:
+    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope, stamps, stage)
     return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
 
 
@@ -242,7 +259,10 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
     cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
-    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, stamps is not None)
+    stage = staging(m_tile)
+    if stage.tma_x and not all(t.data_ptr() % 16 == 0 for t in (x, residual) if t is not None):
+        stage = Staging(prewait=stage.prewait)   # the bulk copy needs 16-byte aligned rows
+    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, stamps is not None, stage)
     null = ctypes.c_void_p(0)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:

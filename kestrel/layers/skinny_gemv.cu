@@ -33,6 +33,12 @@
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
 //
+// TMA_X=1 (one row of x): thread 0 bulk-copies x (and the residual) into shared memory right after the wait
+// (cp.async.bulk, an mbarrier counts the bytes), and the norm stages in place there / the dot products read x from
+// there. Session 16's layer timeline found each matmul's first activation read after the wait taking 2.7-4.6 us,
+// against ~0.7 for an L2 round trip: the loads queue behind the weight loads issued before the wait. The bulk copy
+// takes the TMA's path instead. PREWAIT=0 (a diagnostic): no weight load before the activation is staged.
+//
 // STAMPS=1 (benchmarks/layer_timeline.py only): lane 0 of every warp records clock64() at NUM_STAMPS points (entry,
 // the PDL wait's release, the staged activation, step 0 consumed, the last step consumed, its stores done) and
 // %globaltimer at entry, the release and the end, into the last argument stamps[block * WARPS + warp][NUM_STAMPS
@@ -42,6 +48,15 @@
 
 #ifndef STAMPS
 #define STAMPS 0
+#endif
+#ifndef TMA_X
+#define TMA_X 0
+#endif
+#ifndef PREWAIT
+#define PREWAIT 1
+#endif
+#if TMA_X && M_TILE != 1
+#error "TMA_X stages one row of x"
 #endif
 #define NUM_STAMPS 6
 #if STAMPS
@@ -114,6 +129,32 @@ __device__ __forceinline__ void write_stamps(long long* stamps, const long long 
 #define FINISH_STAMPS() do { clocks[5] = clock64(); write_stamps(stamps, clocks, wall); } while (0)
 #else
 #define FINISH_STAMPS() do { } while (0)
+#endif
+
+#if TMA_X
+__device__ __forceinline__ u32 shared_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
+
+__device__ __forceinline__ void barrier_init(u32 bar) {   // one arrival a phase (thread 0's expect_tx)
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], 1;" :: "r"(bar) : "memory");
+  asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+}
+
+__device__ __forceinline__ void barrier_expect(u32 bar, u32 bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" :: "r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void barrier_wait(u32 bar, u32 phase) {
+  u32 done = 0;
+  while (!done)
+    asm volatile("{ .reg .pred p; mbarrier.try_wait.parity.shared::cta.b64 p, [%1], %2; selp.u32 %0, 1, 0, p; }"
+                 : "=r"(done) : "r"(bar), "r"(phase) : "memory");
+}
+
+// bytes (a multiple of 16) from global src to shared dst, counted against bar's transaction bytes.
+__device__ __forceinline__ void bulk_copy(u32 dst, const bf16_t* src, u32 bytes, u32 bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               :: "r"(dst), "l"(src), "r"(bytes), "r"(bar) : "memory");
+}
 #endif
 
 __device__ __forceinline__ void load_step(Vec (&buf)[WROWS][U], const bf16_t* const (&rows)[WROWS], int step) {
@@ -227,13 +268,34 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     rows[r] = w + n * stride_w + lane * 8;
   }
   Vec buf[WROWS][U];
+#if PREWAIT
   load_step(buf, rows, 0);
+#endif
 #if NORM
   Vec norm_weight[NORM_VECS];
   load_norm_weight(norm_weight, norm_w);
 #endif
+#if TMA_X
+  __shared__ __align__(128) bf16_t xs[K];                   // x; NORM: the activation is staged in place
+#if NORM
+  __shared__ __align__(128) bf16_t rs[K];                   // the residual
+#endif
+  __shared__ __align__(8) unsigned long long x_bar;
+  if (threadIdx.x == 0) barrier_init(shared_u32(&x_bar));
+  __syncthreads();
+#endif
   pdl_wait_then_signal();
   STAMP(1);
+#if TMA_X
+  const bool copy_res = NORM && res != nullptr;
+  if (threadIdx.x == 0) {
+    barrier_expect(shared_u32(&x_bar), K * 2 * (copy_res ? 2 : 1));
+    bulk_copy(shared_u32(xs), x, K * 2, shared_u32(&x_bar));
+#if NORM
+    if (copy_res) bulk_copy(shared_u32(rs), res, K * 2, shared_u32(&x_bar));
+#endif
+  }
+#endif
 
 #if ROPE   // the rotation's inputs, first thing after the wait: two dependent round trips under the matmul
   const int rope_pair = threadIdx.x % PAIRS, rope_m = threadIdx.x / PAIRS;   // this thread's (pair, token)
@@ -249,11 +311,20 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     rope_slot = rope.slots[rope_m];
   }
 #endif
-#if NORM
+#if TMA_X
+  barrier_wait(shared_u32(&x_bar), 0);
+#endif
+#if NORM && TMA_X
+  bf16_t (*act)[K] = reinterpret_cast<bf16_t (*)[K]>(xs);   // each thread overwrites only what it read
+  stage_normed(act, xs, K, copy_res ? rs : nullptr, K, res_out, stride_res_out, norm_weight, eps, M);
+#elif NORM
   __shared__ __align__(16) bf16_t act[M_TILE][K];
   stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_weight, eps, M);
 #endif
   STAMP(2);
+#if !PREWAIT
+  load_step(buf, rows, 0);
+#endif
 
   float acc[WROWS][M_TILE];
 #pragma unroll
@@ -272,6 +343,8 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
         const int row = m < M ? m : M - 1;   // rows past M compute row M - 1 again; never stored
 #if NORM
         const Vec a = *(const Vec*)(&act[row][k]);
+#elif TMA_X
+        const Vec a = *(const Vec*)(&xs[k]);
 #else
         const Vec a = *(const Vec*)(x + row * stride_x + k);
 #endif

@@ -191,3 +191,39 @@ def test_engine_with_the_prologue_folded_into_qkv_on_and_off(checkpoint_factory,
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"prologue folded into qkv, {arch}: {same:.1%} of greedy tokens identical")
     assert all(x[0] == y[0] for x, y in zip(on, off)) and same > 0.5   # the first token comes from prefill
+
+
+@pytest.mark.parametrize("stage", [cuda_gemv.Staging(tma_x=True), cuda_gemv.Staging(tma_x=True, prewait=False)])
+@pytest.mark.parametrize("fold", ["gemv", "norm", "norm_no_residual", "silu", "rope"])
+def test_the_bulk_copied_activation_changes_no_bit(fold, stage, monkeypatch):
+    """KESTREL_CUDA_GEMV_TMA_X / _PREWAIT change only how the activation reaches the block (one bulk copy into
+    shared memory; the weights' first loads after it), not one operation: every output equals the default
+    build's, bit for bit, at the 8B's shapes (one row; the flags build only for one row)."""
+    layer = {"gemv": "8b.down", "norm": "8b.qkv", "norm_no_residual": "8b.qkv", "silu": "8b.gate_up",
+             "rope": "8b.qkv"}[fold]
+    t = _bf16(1, layer, seed=300, with_bias=fold == "norm")
+    residual = None if fold == "norm_no_residual" else t["residual"]
+
+    def run() -> list[torch.Tensor]:
+        if fold == "gemv":
+            return [cuda_gemv.gemv(t["x"], t["w"], t["bias"])]
+        args = (t["x"], residual, t["norm_weight"], 1e-6, t["w"], t["bias"])
+        if fold == "silu":
+            return list(cuda_gemv.add_rms_norm_gemv_silu(*args))
+        if fold != "rope":
+            return list(cuda_gemv.add_rms_norm_gemv(*args))
+        rope_args, caches, slots, heads = _rope_case("8b", 1)
+        q, res_out = cuda_gemv.add_rms_norm_gemv_rope(*rope_args, *caches, slots, *heads)
+        return [q, res_out, *caches]
+
+    want = run()
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_TMA_X", "1")
+    monkeypatch.setenv("KESTREL_CUDA_GEMV_PREWAIT", "1" if stage.prewait else "0")
+    cuda_gemv.staging.cache_clear()
+    try:
+        assert cuda_gemv.staging(1) == stage
+        got = run()
+    finally:
+        cuda_gemv.staging.cache_clear()
+    for g, w in zip(got, want):
+        assert torch.equal(g, w)
