@@ -136,15 +136,23 @@ def _builds(device: int) -> bool:
 class Staging:
     """How a build reads its activation after the PDL wait (skinny_gemv.cu: TMA_X, PREWAIT)."""
     tma_x: bool = False     # one bulk copy into shared memory (one row of x only)
-    prewait: bool = True    # the first step's weight loads before the wait (False: after the activation, a diagnostic)
+    prewait: bool = True    # the first step's weight loads before the wait (False: after the activation)
+
+
+def _shape_switch(name: str, default: str, n: int, k: int) -> bool:
+    """An on/off switch from the environment: "1" (every shape), "0" (none) or a comma list of NxK shapes (on for
+    those only), e.g. KESTREL_CUDA_GEMV_TMA_X=6144x4096,4096x14336."""
+    value = os.environ.get(name, default)
+    return value == "1" or f"{n}x{k}" in value.split(",")
 
 
 @functools.lru_cache(maxsize=None)
-def staging(m_tile: int) -> Staging:
-    """The environment's staging for a build of m_tile rows: KESTREL_CUDA_GEMV_TMA_X=1 (one row only) and
-    KESTREL_CUDA_GEMV_PREWAIT=0."""
-    return Staging(tma_x=m_tile == 1 and os.environ.get("KESTREL_CUDA_GEMV_TMA_X", "0") == "1",
-                   prewait=os.environ.get("KESTREL_CUDA_GEMV_PREWAIT", "1") != "0")
+def staging(m_tile: int, n: int, k: int) -> Staging:
+    """A build's staging: the bulk-copied activation at one row of x (KESTREL_CUDA_GEMV_TMA_X, default on: the
+    Llama-3.1-8B bs1 step -3.7%, session 16), and the first weight loads before the wait unless
+    KESTREL_CUDA_GEMV_PREWAIT_OFF names the shape (a diagnostic). n: output features (gate_up: the intermediate size)."""
+    return Staging(tma_x=m_tile == 1 and _shape_switch("KESTREL_CUDA_GEMV_TMA_X", "1", n, k),
+                   prewait=not _shape_switch("KESTREL_CUDA_GEMV_PREWAIT_OFF", "0", n, k))
 
 
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
@@ -259,7 +267,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
     cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
-    stage = staging(m_tile)
+    stage = staging(m_tile, n, k)
     if stage.tma_x and not all(t.data_ptr() % 16 == 0 for t in (x, residual) if t is not None):
         stage = Staging(prewait=stage.prewait)   # the bulk copy needs 16-byte aligned rows
     kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, stamps is not None, stage)
