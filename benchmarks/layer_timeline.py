@@ -6,7 +6,7 @@ each kernel's exposed time, not what happens inside it. This runs LAYERS layers 
 random bf16 weights of the real shapes (3.5 GB, past the 50 MB L2), the kernels the engine runs at bs1:
 
     qkv      add_rms_norm_gemv_rope (add + RMSNorm, the QKV matmul, rotary, the K/V write)
-    decode   cluster_decode.decode_attention (not stamped: its window is qkv's end to o_proj's release)
+    decode   cluster_decode (its STAMPS build, as benchmarks/decode_timeline.py: thread 0 of each program)
     o_proj   gemv
     gate_up  add_rms_norm_gemv_silu
     down     gemv
@@ -28,14 +28,17 @@ KESTREL_CUDA_GEMV_CONFIG and the decode kernel's switches apply as in the engine
 from __future__ import annotations
 
 import argparse
+import ctypes
 import math
 import statistics
 
 import torch
 
 from benchmarks import write_json
+from benchmarks.decode_timeline import SEGMENTS as DECODE_SEGMENTS, STAMP_COLUMNS as DECODE_COLUMNS, stamped_kernel
 from kestrel.attention import cluster_decode
 from kestrel.layers import cuda_gemv
+from kestrel.layers.pdl import pdl_enabled
 
 HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336   # Llama-3.1-8B
 EPS, BLOCK_SIZE = 1e-5, 16
@@ -67,8 +70,9 @@ class Chain:
         self.caches = [(torch.randn(cache_shape, device="cuda", generator=gen).to(torch.bfloat16),
                         torch.randn(cache_shape, device="cuda", generator=gen).to(torch.bfloat16))
                        for _ in range(layers)]
-        self.block_table = torch.randperm(blocks, device="cuda", generator=gen).to(torch.int32).view(1, -1)
-        self.kv_lens = torch.tensor([context], dtype=torch.int32, device="cuda")
+        # int64 tables: the decode kernel's stamped build is its 64-bit index build
+        self.block_table = torch.randperm(blocks, device="cuda", generator=gen).view(1, -1)
+        self.kv_lens = torch.tensor([context], dtype=torch.int64, device="cuda")
         last = context - 1   # the new token: its K/V go to its slot, then attention reads them
         self.positions = torch.tensor([last], dtype=torch.int64, device="cuda")
         slot = self.block_table[0, last // BLOCK_SIZE].item() * BLOCK_SIZE + last % BLOCK_SIZE
@@ -82,7 +86,27 @@ class Chain:
                   "gate_up": (INTERMEDIATE, HIDDEN, True), "down": (HIDDEN, INTERMEDIATE, False)}
         self.stamps = [{name: torch.zeros(cuda_gemv.stamp_rows(*shape), cuda_gemv.STAMP_COLUMNS, dtype=torch.int64,
                                           device="cuda") for name, shape in shapes.items()} for _ in range(layers)]
+        group, self.cluster = HEADS // KV_HEADS, cluster_decode.cluster_size()
+        tensor_cores = cluster_decode.mma(group, HEAD_DIM)
+        self.decode_kernel = stamped_kernel(group, HEAD_DIM, self.cluster, BLOCK_SIZE, torch.cuda.current_device(),
+                                            tensor_cores)
+        self.decode_warps = cluster_decode.num_warps(group, HEAD_DIM, tensor_cores)
+        for stamps in self.stamps:
+            stamps["decode"] = torch.zeros(KV_HEADS * self.cluster, DECODE_COLUMNS, dtype=torch.int64, device="cuda")
         self.out = torch.empty_like(self.x)
+
+    def decode(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+               stamps: torch.Tensor | None) -> torch.Tensor:
+        """Decode attention: the engine's launch, or (stamps) the same launch of the STAMPS build."""
+        if stamps is None:
+            return cluster_decode.decode_attention(q, k_cache, v_cache, self.block_table, self.kv_lens,
+                                                   HEAD_DIM ** -0.5)
+        out = torch.empty_like(q)
+        args = cluster_decode.launch_args(q, k_cache, v_cache, self.block_table, self.kv_lens, out, HEAD_DIM ** -0.5)
+        args.append(ctypes.c_void_p(stamps.data_ptr()))
+        self.decode_kernel.launch((KV_HEADS * self.cluster, 1, 1), self.decode_warps * 32, args,
+                                  torch.cuda.current_stream(), cluster=self.cluster, pdl=pdl_enabled(q.device))
+        return out
 
     def run(self, stamped: bool = True) -> torch.Tensor:
         """One pass through every layer; the last down's output lands in self.out."""
@@ -92,8 +116,7 @@ class Chain:
             q, h = cuda_gemv.add_rms_norm_gemv_rope(
                 x, residual, w["norm1"], EPS, w["qkv"], None, self.positions, self.cos_sin, k_cache, v_cache,
                 self.slots, HEADS, KV_HEADS, HEAD_DIM, stamps=s["qkv"])
-            attn = cluster_decode.decode_attention(q, k_cache, v_cache, self.block_table, self.kv_lens,
-                                                   HEAD_DIM ** -0.5)
+            attn = self.decode(q, k_cache, v_cache, s["decode"])
             o = cuda_gemv.gemv(attn.view(1, HIDDEN), w["o_proj"], stamps=s["o_proj"])
             act, residual = cuda_gemv.add_rms_norm_gemv_silu(o, h, w["norm2"], EPS, w["gate_up"],
                                                              stamps=s["gate_up"])
@@ -114,6 +137,17 @@ def analyse(stamps: list[dict[str, torch.Tensor]]) -> dict:
     for i in range(1, len(rows)):
         before = {"qkv": rows[i - 1]["down"], "o_proj": rows[i]["qkv"], "gate_up": rows[i]["o_proj"],
                   "down": rows[i]["gate_up"]}
+        decode = rows[i]["decode"].double()   # [program, 8 clocks + entry and end %globaltimer]
+        qkv_end = rows[i]["qkv"][:, CLOCKS + 2].max().item()
+        found = per.setdefault("decode", {})
+        found.setdefault("entry first", []).append(decode[:, 8].min().item() - qkv_end)
+        found.setdefault("end median", []).append(decode[:, 9].median().item() - qkv_end)
+        found.setdefault("end last", []).append(decode[:, 9].max().item() - qkv_end)
+        for j, segment in enumerate(DECODE_SEGMENTS):
+            found.setdefault(segment, []).append((decode[:, j + 1] - decode[:, j]).median().item())
+        found = per["o_proj"]
+        found.setdefault("release after decode", []).append(
+            (rows[i]["o_proj"][:, CLOCKS + 1].min() - rows[i]["decode"][:, 9].max()).item())
         for name in MATMULS:
             t = rows[i][name].double()
             prev_end = before[name][:, CLOCKS + 2].max().item()
@@ -149,7 +183,7 @@ def main() -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain.run(stamped=True)
-    merged: dict[str, dict[str, list[float]]] = {name: {} for name in MATMULS}
+    merged: dict[str, dict[str, list[float]]] = {name: {} for name in [*MATMULS, "decode"]}
     ns_per_cycle: list[float] = []
     for replay in range(args.replays + 3):
         graph.replay()
@@ -158,14 +192,13 @@ def main() -> int:
             continue
         found = analyse(chain.stamps)
         ns_per_cycle += found["ns_per_cycle"]
-        for name in MATMULS:
-            for key, values in found["per"][name].items():
+        for name, keys in found["per"].items():
+            for key, values in keys.items():
                 merged[name].setdefault(key, []).extend(values)
     ns = _median(ns_per_cycle)
-    table = {}
-    for name in MATMULS:
-        row = {key: _median(values) / 1000 * (ns if key in SEGMENTS else 1.0) for key, values in merged[name].items()}
-        table[name] = row
+    cycles = {*SEGMENTS, *DECODE_SEGMENTS}
+    table = {name: {key: _median(values) / 1000 * (ns if key in cycles else 1.0) for key, values in keys.items()}
+             for name, keys in merged.items()}
     decode_window = table["o_proj"]["release first"]
     print(f"8B bs1 layer chain, {args.layers} layers, context {args.context}, {args.replays} replays; "
           f"clock {1 / ns:.3f} GHz (clock64 against %globaltimer); us from the previous kernel's last warp's end "
@@ -175,9 +208,14 @@ def main() -> int:
     print("|---|" + "---|" * len(keys))
     for name in MATMULS:
         print(f"| {name} | " + " | ".join(f"{table[name][k]:.2f}" for k in keys) + " |")
+    keys = ["entry first", *DECODE_SEGMENTS, "end median", "end last"]
+    print("| decode (us from qkv's last end; segments: program thread 0's median) | " + " | ".join(keys) + " |")
+    print("|---|" + "---|" * len(keys))
+    print("| decode | " + " | ".join(f"{table['decode'][k]:.2f}" for k in keys) + " |")
     layer = sum(table[name]["end last"] for name in MATMULS)
-    print(f"decode window (qkv's last end to o_proj's first release): {decode_window:.2f} us; "
-          f"a layer (sum of the last ends): {layer:.2f} us")
+    print(f"decode window (qkv's last end to o_proj's first release): {decode_window:.2f} us, of which decode's "
+          f"last end to o_proj's first release {table['o_proj']['release after decode']:.2f}; "
+          f"a layer (sum of the matmuls' last ends): {layer:.2f} us")
     write_json(args.out, {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
                           "replays": args.replays, "ghz": 1 / ns, "table": table,
                           "decode_window_us": decode_window, "layer_us": layer,

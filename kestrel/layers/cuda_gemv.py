@@ -13,6 +13,9 @@ warp, issues its first loads before the PDL wait, and folds the ops around the m
                                                      models without q/k norm: the pair rows of a rotation in one
                                                      block, q out, k and v into the paged caches)
 
+At one row of x the activation reaches shared memory by one bulk copy after the wait (Staging, TMA_X): read through
+the L1 path, it queued behind the weight loads issued before the wait (session 16).
+
 Numerics are those of gemv.py's references (fp32 accumulation, the same bf16 roundings); the sum order differs,
 so outputs match the references to about an ulp. Hopper and bf16 only (`usable`); NVRTC compiles each shape at
 first use, which the CUDA-graph warm-up does before capture.

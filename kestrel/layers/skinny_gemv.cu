@@ -33,11 +33,12 @@
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
 //
-// TMA_X=1 (one row of x): thread 0 bulk-copies x (and the residual) into shared memory right after the wait
+// TMA_X=1 (one row of x; the engine's default, cuda_gemv.staging): thread 0 bulk-copies x (and the residual) into shared memory right after the wait
 // (cp.async.bulk, an mbarrier counts the bytes), and the norm stages in place there / the dot products read x from
 // there. Session 16's layer timeline found each matmul's first activation read after the wait taking 2.7-4.6 us,
 // against ~0.7 for an L2 round trip: the loads queue behind the weight loads issued before the wait. The bulk copy
 // takes the TMA's path instead. PREWAIT=0 (a diagnostic): no weight load before the activation is staged.
+// Session 16, the 8B bs1 step: -3.7%.
 //
 // STAMPS=1 (benchmarks/layer_timeline.py only): lane 0 of every warp records clock64() at NUM_STAMPS points (entry,
 // the PDL wait's release, the staged activation, step 0 consumed, the last step consumed, its stores done) and
