@@ -36,6 +36,7 @@ import torch
 
 from benchmarks import write_json
 from benchmarks.decode_timeline import SEGMENTS as DECODE_SEGMENTS, STAMP_COLUMNS as DECODE_COLUMNS, stamped_kernel
+from kestrel import cuda_rtc
 from kestrel.attention import cluster_decode
 from kestrel.layers import cuda_gemv
 from kestrel.layers.pdl import pdl_enabled
@@ -164,6 +165,22 @@ def analyse(stamps: list[dict[str, torch.Tensor]]) -> dict:
     return {"per": per, "ns_per_cycle": ns_per_cycle}
 
 
+def kernel_resources() -> list[dict]:
+    """Registers and static shared memory of the chain's kernels (their STAMPS builds): what decides which of
+    them can sit on one SM together while PDL overlaps them."""
+    rows = []
+    for kernel in cuda_rtc.loaded_kernels():
+        defines = dict(kernel.compiled.defines)
+        if not defines.get("STAMPS"):
+            continue
+        keys = ("K", "ROWS", "WARPS", "U", "NORM", "SILU", "ROPE", "TMA_X", "PREWAIT", "GROUP", "CLUSTER", "MMA",
+                "NUM_WARPS")
+        rows.append({"kernel": kernel.name, "registers": kernel.compiled.registers(),
+                     "shared_bytes": kernel.compiled.shared_bytes(),
+                     "build": " ".join(f"{key}={defines[key]}" for key in keys if key in defines)})
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--layers", type=int, default=8)
@@ -216,9 +233,15 @@ def main() -> int:
     print(f"decode window (qkv's last end to o_proj's first release): {decode_window:.2f} us, of which decode's "
           f"last end to o_proj's first release {table['o_proj']['release after decode']:.2f}; "
           f"a layer (sum of the matmuls' last ends): {layer:.2f} us")
+    kernels = kernel_resources()
+    print("| kernel in the chain | registers | static shared memory (bytes) | build |")
+    print("|---|---|---|---|")
+    for row in kernels:
+        print(f"| {row['kernel']} | {row['registers']} | {row['shared_bytes']} | {row['build']} |")
     write_json(args.out, {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
                           "replays": args.replays, "ghz": 1 / ns, "table": table,
-                          "decode_window_us": decode_window, "layer_us": layer,
+                          "decode_window_us": decode_window, "layer_us": layer, "kernels": kernels,
+                          "carveout": cuda_rtc.shared_memory_carveout(),
                           "configs": {name: str(cuda_gemv.config_override(*shape) or "default") for name, shape in
                                       {"qkv": (6144, 4096), "o_proj": (4096, 4096), "gate_up": (14336, 4096),
                                        "down": (4096, 14336)}.items()}})

@@ -18,8 +18,10 @@ from pathlib import Path
 
 import torch
 
+CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
+CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -69,11 +71,17 @@ def nvrtc_available() -> bool:
 class Compiled:
     cubin: bytes
     ptx: str
-    log: str            # NVRTC's log (ptxas -v: registers, spills)
+    log: str            # NVRTC's log (ptxas -v: registers, spills, shared memory)
+    defines: tuple[tuple[str, int], ...] = ()
 
     def registers(self) -> int:
         found = re.search(r"Used (\d+) registers", self.log)
         return int(found.group(1)) if found else -1
+
+    def shared_bytes(self) -> int:
+        """Static shared memory a block of this kernel takes (0 when ptxas reports none)."""
+        found = re.search(r"(\d+) bytes smem", self.log)
+        return int(found.group(1)) if found else 0
 
     def spill_bytes(self) -> int:
         found = re.findall(r"(\d+) bytes spill (?:stores|loads)", self.log)
@@ -108,7 +116,7 @@ def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) ->
         _nvrtc_check(lib, lib.nvrtcGetPTXSize(prog, ctypes.byref(size)))
         ptx = ctypes.create_string_buffer(size.value)
         _nvrtc_check(lib, lib.nvrtcGetPTX(prog, ptx))
-        return Compiled(cubin.raw, ptx.value.decode(), log.value.decode())
+        return Compiled(cubin.raw, ptx.value.decode(), log.value.decode(), tuple(defines.items()))
     finally:
         lib.nvrtcDestroyProgram(ctypes.byref(prog))
 
@@ -161,6 +169,26 @@ def _make_primary_context_current(device_index: int) -> None:
     _check(_driver().cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
+def shared_memory_carveout() -> int | None:
+    """KESTREL_CUDA_CARVEOUT: the share (percent) of each SM's unified L1 / shared memory that every kernel
+    loaded here asks to be shared memory, or None (unset or "auto": the driver picks per kernel). Consecutive
+    kernels that get different splits cannot share an SM, which PDL's overlap needs; one split for all of them
+    is the A/B this switch exists for."""
+    value = os.environ.get("KESTREL_CUDA_CARVEOUT", "auto").strip()
+    if value in ("", "auto"):
+        return None
+    if not value.isdigit() or int(value) > 100:
+        raise ValueError(f"KESTREL_CUDA_CARVEOUT must be 'auto' or a percent 0-100, got {value!r}")
+    return int(value)
+
+
+_loaded: list["Kernel"] = []   # every kernel loaded in this process, for benchmarks that report what ran
+
+
+def loaded_kernels() -> list["Kernel"]:
+    return list(_loaded)
+
+
 class Kernel:
     """A loaded kernel (in the device's primary context, the one torch uses) and its launch."""
 
@@ -174,7 +202,12 @@ class Kernel:
             if non_portable_cluster:
                 _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
                                                     1), "cuFuncSetAttribute")
-        self.module, self.function, self.compiled = module, function, compiled
+            carveout = shared_memory_carveout()
+            if carveout is not None:
+                _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
+                                                    carveout), "cuFuncSetAttribute")
+        self.module, self.function, self.compiled, self.name = module, function, compiled, name
+        _loaded.append(self)
 
     def attribute(self, attribute: int) -> int:
         value = ctypes.c_int()

@@ -78,8 +78,22 @@ def test_the_bulk_copied_activation_builds_and_copies_after_the_wait(layer, prew
     assert not any(op.startswith("ld.global.v4") for op in _loads(built.ptx))   # x is never read from global
     before = _loads(built.ptx[:wait])[STREAM]
     assert before == (config.rows * (2 if silu else 1) * config.u if prewait else 0)
+    # the price: a row of x (and the residual, with the norm) in shared memory, which ptxas reports
+    assert built.shared_bytes() >= k * 2 * (2 if norm else 1), built.log
     with pytest.raises(AssertionError):
         cuda_gemv.compile_kernel(k, config, 2, norm, silu, stage=cuda_gemv.Staging(tma_x=True))
+
+
+def test_the_shared_memory_carveout_switch_is_a_percent_or_auto(monkeypatch):
+    monkeypatch.delenv("KESTREL_CUDA_CARVEOUT", raising=False)
+    assert cuda_rtc.shared_memory_carveout() is None
+    for value, expected in (("auto", None), ("100", 100), ("0", 0), (" 25 ", 25)):
+        monkeypatch.setenv("KESTREL_CUDA_CARVEOUT", value)
+        assert cuda_rtc.shared_memory_carveout() == expected
+    for bad in ("101", "-1", "half"):
+        monkeypatch.setenv("KESTREL_CUDA_CARVEOUT", bad)
+        with pytest.raises(ValueError, match="KESTREL_CUDA_CARVEOUT"):
+            cuda_rtc.shared_memory_carveout()
 
 
 def test_default_configs_fill_whole_waves_on_the_h200():
