@@ -45,6 +45,7 @@ HIDDEN, HEADS, KV_HEADS, HEAD_DIM, INTERMEDIATE = 4096, 32, 8, 128, 14336   # Ll
 EPS, BLOCK_SIZE = 1e-5, 16
 MATMULS = ["qkv", "o_proj", "gate_up", "down"]
 SEGMENTS = ["staging", "step 0", "later steps", "tail"]   # clock64 stamps 1 -> 2 -> 3 -> 4 -> 5
+LATE = "decode, last at barrier 1"
 CLOCKS = 6   # skinny_gemv.cu's NUM_STAMPS; columns CLOCKS.. are %globaltimer (entry, release, end)
 
 
@@ -130,8 +131,10 @@ def _median(values: list[float]) -> float:
     return statistics.median(values) if values else float("nan")
 
 
-def analyse(stamps: list[dict[str, torch.Tensor]]) -> dict:
-    """One replay's stamps -> per matmul, per layer past the first: ns from the previous kernel's last end."""
+def analyse(stamps: list[dict[str, torch.Tensor]], cluster: int) -> dict:
+    """One replay's stamps -> per matmul, per layer past the first: ns from the previous kernel's last end.
+    Decode also reports, per cluster, the program that reached the first cluster barrier last (the one whose wait
+    there was shortest: clock64 is per SM, so programs compare by their own segments, not by clock values)."""
     rows = [{name: t.cpu() for name, t in layer.items()} for layer in stamps]
     per: dict[str, dict[str, list[float]]] = {name: {} for name in MATMULS}
     ns_per_cycle = []
@@ -146,6 +149,14 @@ def analyse(stamps: list[dict[str, torch.Tensor]]) -> dict:
         found.setdefault("end last", []).append(decode[:, 9].max().item() - qkv_end)
         for j, segment in enumerate(DECODE_SEGMENTS):
             found.setdefault(segment, []).append((decode[:, j + 1] - decode[:, j]).median().item())
+        late = per.setdefault("decode, last at barrier 1", {})
+        for block in decode.split(cluster):
+            segments = block[:, 1:8] - block[:, 0:7]
+            rank = int(segments[:, DECODE_SEGMENTS.index("barrier 1")].argmin())
+            late.setdefault("rank", []).append(rank)
+            late.setdefault("entry first", []).append(block[rank, 8].item() - qkv_end)
+            for j, segment in enumerate(DECODE_SEGMENTS):
+                late.setdefault(segment, []).append(segments[rank, j].item())
         found = per["o_proj"]
         found.setdefault("release after decode", []).append(
             (rows[i]["o_proj"][:, CLOCKS + 1].min() - rows[i]["decode"][:, 9].max()).item())
@@ -175,8 +186,9 @@ def kernel_resources() -> list[dict]:
             continue
         keys = ("K", "ROWS", "WARPS", "U", "NORM", "SILU", "ROPE", "TMA_X", "PREWAIT", "GROUP", "CLUSTER", "MMA",
                 "NUM_WARPS")
-        rows.append({"kernel": kernel.name, "registers": kernel.compiled.registers(),
-                     "shared_bytes": kernel.compiled.shared_bytes(),
+        # the driver's figures: a cubin from the compile cache has no ptxas log to read them from
+        rows.append({"kernel": kernel.name, "registers": kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_NUM_REGS),
+                     "shared_bytes": kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
                      "build": " ".join(f"{key}={defines[key]}" for key in keys if key in defines)})
     return rows
 
@@ -200,22 +212,24 @@ def main() -> int:
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         chain.run(stamped=True)
-    merged: dict[str, dict[str, list[float]]] = {name: {} for name in [*MATMULS, "decode"]}
+    merged: dict[str, dict[str, list[float]]] = {name: {} for name in [*MATMULS, "decode", LATE]}
     ns_per_cycle: list[float] = []
     for replay in range(args.replays + 3):
         graph.replay()
         torch.cuda.synchronize()
         if replay < 3:   # warm-up
             continue
-        found = analyse(chain.stamps)
+        found = analyse(chain.stamps, chain.cluster)
         ns_per_cycle += found["ns_per_cycle"]
         for name, keys in found["per"].items():
             for key, values in keys.items():
                 merged[name].setdefault(key, []).extend(values)
     ns = _median(ns_per_cycle)
     cycles = {*SEGMENTS, *DECODE_SEGMENTS}
+    ranks = merged[LATE].pop("rank")
     table = {name: {key: _median(values) / 1000 * (ns if key in cycles else 1.0) for key, values in keys.items()}
              for name, keys in merged.items()}
+    table[LATE]["rank counts"] = {rank: ranks.count(rank) for rank in sorted(set(ranks))}
     decode_window = table["o_proj"]["release first"]
     print(f"8B bs1 layer chain, {args.layers} layers, context {args.context}, {args.replays} replays; "
           f"clock {1 / ns:.3f} GHz (clock64 against %globaltimer); us from the previous kernel's last warp's end "
@@ -229,6 +243,8 @@ def main() -> int:
     print("| decode (us from qkv's last end; segments: program thread 0's median) | " + " | ".join(keys) + " |")
     print("|---|" + "---|" * len(keys))
     print("| decode | " + " | ".join(f"{table['decode'][k]:.2f}" for k in keys) + " |")
+    print(f"| {LATE} | " + " | ".join(f"{table[LATE][k]:.2f}" if k in table[LATE] else "" for k in keys) + " |")
+    print(f"{LATE}, by rank in the cluster (the newest key is in the last rank's slice): {table[LATE]['rank counts']}")
     layer = sum(table[name]["end last"] for name in MATMULS)
     print(f"decode window (qkv's last end to o_proj's first release): {decode_window:.2f} us, of which decode's "
           f"last end to o_proj's first release {table['o_proj']['release after decode']:.2f}; "

@@ -30,7 +30,9 @@ __device__ __forceinline__ u32 pack(float a, float b) {   // two bf16 in one wor
 }
 
 // Wait for the kernel before this one (its writes visible), then let the next kernel launch (layers/pdl.py).
+__device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
+__device__ __forceinline__ void pdl_signal() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait_then_signal() {
-  asm volatile("griddepcontrol.wait;" ::: "memory");
-  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+  pdl_wait();
+  pdl_signal();
 }

@@ -75,6 +75,27 @@ def test_the_tensor_core_build_reads_its_tiles_before_the_wait():
     assert _loads(ptx[wait:])["ld.shared::cluster.f32"] == 3 * 8
 
 
+@needs_nvrtc
+@pytest.mark.parametrize("tensor_cores", [True, False])
+def test_the_late_signal_lets_the_next_kernel_launch_only_after_the_first_keys(monkeypatch, tensor_cores):
+    # KESTREL_CLUSTER_DECODE_SIGNAL=attend: launch_dependents after the first attend (its MMAs or its q . k), not
+    # right after the wait; the default build signals before any work past the wait
+    monkeypatch.delenv("KESTREL_CLUSTER_DECODE_SIGNAL", raising=False)
+    work = "mma.sync" if tensor_cores else "shfl.sync"
+    ptx = cluster_decode.compile_kernel(4, 128, 8, 16, "sm_90", True, tensor_cores=tensor_cores).ptx
+    wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
+    assert wait < signal < ptx.index(work, wait)
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_SIGNAL", "attend")
+    late = cluster_decode.compile_kernel(4, 128, 8, 16, "sm_90", True, tensor_cores=tensor_cores)
+    assert late.spill_bytes() == 0, late.log
+    wait, signal = late.ptx.index("griddepcontrol.wait"), late.ptx.index("griddepcontrol.launch_dependents")
+    assert late.ptx.count("griddepcontrol.launch_dependents") == 1
+    assert wait < late.ptx.index(work, wait) < signal < late.ptx.index("barrier.cluster.arrive.release")
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_SIGNAL", "later")
+    with pytest.raises(ValueError, match="wait or attend"):
+        cluster_decode.late_signal()
+
+
 def test_the_tensor_core_build_is_on_from_a_group_of_4_and_never_at_head_dim_256(monkeypatch):
     monkeypatch.delenv("KESTREL_CLUSTER_DECODE_MMA", raising=False)
     assert cluster_decode.mma(4, 128) and cluster_decode.mma(8, 64)                  # Llama-3.1-8B: group 4

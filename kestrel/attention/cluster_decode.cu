@@ -59,6 +59,9 @@
 #ifndef MMA
 #define MMA 0
 #endif
+#ifndef LATE_SIGNAL
+#define LATE_SIGNAL 0
+#endif
 // STAMPS=1 (benchmarks/decode_timeline.py only): thread 0 of each program records clock64() at NUM_STAMPS points
 // (entry, after the wait, after the first attend step, after the later chunks, after the slot merge, after the
 // first cluster barrier, after the output stores, at the end) and %globaltimer at entry and end, into the extra
@@ -71,6 +74,24 @@
 #endif
 
 #include "kestrel_cuda.cuh"
+
+// LATE_SIGNAL=1 (KESTREL_CLUSTER_DECODE_SIGNAL=attend): the next kernel (o_proj) may launch only once every
+// program has attended to its first keys, not right after the wait. Its blocks issue their first weight loads
+// before their own wait; on an SM they share with a decode program, the program's loads after its wait (q, the
+// newest key's tile) can queue behind them.
+__device__ __forceinline__ void wait_then_maybe_signal() {
+#if LATE_SIGNAL
+  pdl_wait();
+#else
+  pdl_wait_then_signal();
+#endif
+}
+
+__device__ __forceinline__ void signal_if_late() {
+#if LATE_SIGNAL
+  pdl_signal();
+#endif
+}
 
 #if INDEX64
 typedef long long index_t;
@@ -373,7 +394,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     load_tile(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, first + t * stride, end, newest,
               false, r, c, tiles[t]);
 
-  pdl_wait_then_signal();
+  wait_then_maybe_signal();
   STAMP(1);
 
   Vec q[K_VECS];   // head r (zeros past GROUP), dims 32 j + 8 c
@@ -399,6 +420,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
   attend_tiles(q, tiles, first, stride, end, scale_log2, c, m, l, acc);
   STAMP(2);
+  signal_if_late();
   // Longer slices: TILES tiles a warp at a time, read after the wait (program-uniform bound).
   for (int chunk = start + TILES * stride; chunk < end; chunk += TILES * stride) {
 #pragma unroll
@@ -435,7 +457,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
              k[i], v[i]);
   }
 
-  pdl_wait_then_signal();
+  wait_then_maybe_signal();
   STAMP(1);
 
   float q[GROUP][DIMS_PER_LANE];
@@ -467,6 +489,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   }
   attend(q, k, v, start + slot, end, m, l, acc);
   STAMP(2);
+  signal_if_late();
   // Longer slices: PREFETCH keys a slot at a time, read after the wait (the loop bound is the same for the whole
   // program, so every lane of a slot reaches the shuffles).
   for (int base = start + PREFETCH * SLOTS; base < end; base += PREFETCH * SLOTS) {

@@ -123,10 +123,22 @@ def shared_bytes(warps: int, group: int, head_dim: int, tensor_cores: bool = Fal
     return 4 * group * ((slot_row + 2) * slots + head_dim + 2)
 
 
+def late_signal() -> bool:
+    """KESTREL_CLUSTER_DECODE_SIGNAL: when decode lets the next kernel launch (PDL). "wait" (default): right after
+    its own wait; "attend": after each program has attended to the keys it read before the wait, so that the
+    next kernel's early weight loads cannot delay the loads a program makes after its wait (cluster_decode.cu)."""
+    value = os.environ.get("KESTREL_CLUSTER_DECODE_SIGNAL", "wait")
+    if value not in ("wait", "attend"):
+        raise ValueError(f"KESTREL_CLUSTER_DECODE_SIGNAL={value}: use wait or attend")
+    return value == "attend"
+
+
 def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int,
             tensor_cores: bool = False, tile_count: int = 2) -> dict[str, int]:
     shape = dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, BLOCK_SIZE=block_size,
                  INDEX64=int(index64))
+    if late_signal():
+        shape["LATE_SIGNAL"] = 1
     if tensor_cores:
         return {**shape, "MMA": 1, "TILES": tile_count}
     return {**shape, "PREFETCH": prefetch(group), "DIMS_PER_LANE": DIMS_PER_LANE}
