@@ -100,7 +100,7 @@ def test_default_configs_fill_whole_waves_on_the_h200():
     assert cuda_gemv.default_config(6144, 4096) == cuda_gemv.CudaGemvConfig(rows=3, u=4)       # 256 blocks
     assert cuda_gemv.default_config(4096, 4096) == cuda_gemv.CudaGemvConfig(rows=2, u=8)       # 256 blocks
     assert cuda_gemv.default_config(14336, 4096, silu=True) == cuda_gemv.CudaGemvConfig(rows=1, u=8)
-    assert cuda_gemv.default_config(4096, 14336) == cuda_gemv.CudaGemvConfig(rows=2, u=8)      # 7 steps of 2,048
+    assert cuda_gemv.default_config(4096, 14336) == cuda_gemv.CudaGemvConfig(rows=1, u=8)      # the long-row rule
     assert cuda_gemv.default_config(4096, 14336, m_tile=4) == cuda_gemv.CudaGemvConfig(rows=2, u=4)
     for n, k, _, silu in LAYERS_8B.values():   # a step divides K
         assert k % (256 * cuda_gemv.default_config(n, k, silu).u) == 0

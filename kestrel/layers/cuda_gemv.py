@@ -77,9 +77,15 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
     so a half-empty last wave idles half the GPU), then the widest step within LOADS_PER_LANE loads.
 
     H200 (132 SMs, 264 resident blocks), 8B shapes: qkv N=6144 -> 3 rows (256 blocks); o_proj N=4096 -> 2 rows
-    (256); gate_up N=14336 with SiLU -> 1 row + its up row (1,792 blocks, 6.8 waves); down N=4096 K=14336 -> 2 rows.
+    (256); gate_up N=14336 with SiLU -> 1 row + its up row (1,792 blocks, 6.8 waves); down N=4096 K=14336 -> 1 row
+    (512 blocks), u 8: the long-row rule below.
     """
     halves = 2 if silu else 1
+    if m_tile == 1 and not silu and k >= 8192 and (k // 256) % 8 == 0:
+        # A long row (the 8B's down): one row a warp, 8 loads a step, rather than the 2 rows (256 blocks) the
+        # wave rule picks. Measured on the 8B bs1 step in five same-call A/Bs (sessions 16-17, BENCHMARKS.md):
+        # -0.5%, -0.6%, -0.4%, -0.3%, -0.6%. Not measured at other shapes.
+        return CudaGemvConfig(rows=1, u=8)
     capacity = sm_count * BLOCKS_PER_SM
 
     def fill(rows: int) -> float:
