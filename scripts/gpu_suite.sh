@@ -114,6 +114,12 @@ if [[ $STAGES == *" profile "* ]]; then
   # Session 15: wider tensor-core decode programs (cluster 2 / 4 with 8 warps) +0.3% / +0.2%; the engine's sizes
   # (KESTREL_PROFILE_LIKE_BENCH=1) +0.4%, mostly the graph's index_put of 256 update slots; the torch graph head
   # (KESTREL_FUSED_STEP_INPUTS=0) +1.0% on the 0.6B, -0.1% / -0.3% on the 8B (inside its spread).
+  # Session 16: the activation by bulk copy after the wait (KESTREL_CUDA_GEMV_TMA_X) is the default: off measured
+  # +4.6% (and -3.7% on when it was the A/B); o_proj without it +0.6%; o_proj's weights after its activation
+  # (KESTREL_CUDA_GEMV_PREWAIT_OFF=4096x4096) +0.4%; o_proj a quarter before the wait (4096x4096=2,4) +0.5%.
+  # Session 17: one L1/shared split for every NVRTC kernel (KESTREL_CUDA_CARVEOUT) 100 +5.9%, 25 +0.4%; decode
+  # signalling after its first keys (KESTREL_CLUSTER_DECODE_SIGNAL=attend) +0.0% (8B), +0.6% (0.6B): both left as
+  # switches. Down on one row a warp (4096x14336=1,8: -0.3 to -0.6% in five calls) is now the default.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.
