@@ -176,9 +176,20 @@ def analyse(stamps: list[dict[str, torch.Tensor]], cluster: int) -> dict:
     return {"per": per, "ns_per_cycle": ns_per_cycle}
 
 
+def blocks_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
+    """Resident blocks of one kernel on an H100/H200 SM: 64K registers (8 a thread at a time, rounded up),
+    228 KB of shared memory (1 KB a block reserved), at most 2,048 threads."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * threads)
+    return min(by_registers, 233472 // (shared_bytes + 1024), 2048 // threads)
+
+
 def kernel_resources() -> list[dict]:
-    """Registers and static shared memory of the chain's kernels (their STAMPS builds): what decides which of
-    them can sit on one SM together while PDL overlaps them."""
+    """Registers and static shared memory of the chain's kernels (their STAMPS builds), and the blocks an SM holds
+    against the production build's: the stamps cost registers, and where that changes the blocks an SM holds the
+    chain misstates that kernel (session 17: down on one row a warp, 60 registers in production, 72 stamped:
+    4 blocks an SM against 3, so its 512 blocks fit one wave in the engine and not in the chain)."""
+    sources = {"skinny_gemv": cuda_gemv.SOURCE, "cluster_decode": cluster_decode.SOURCE}
+    arch = cuda_rtc.device_arch(torch.cuda.current_device())
     rows = []
     for kernel in cuda_rtc.loaded_kernels():
         defines = dict(kernel.compiled.defines)
@@ -186,9 +197,16 @@ def kernel_resources() -> list[dict]:
             continue
         keys = ("K", "ROWS", "WARPS", "U", "NORM", "SILU", "ROPE", "TMA_X", "PREWAIT", "GROUP", "CLUSTER", "MMA",
                 "NUM_WARPS")
-        # the driver's figures: a cubin from the compile cache has no ptxas log to read them from
-        rows.append({"kernel": kernel.name, "registers": kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_NUM_REGS),
-                     "shared_bytes": kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES),
+        threads = 32 * defines.get("WARPS", defines.get("NUM_WARPS", 0))
+        production = cuda_rtc.compile_cubin(sources[kernel.name].read_text(), kernel.name, arch,
+                                            {key: value for key, value in defines.items() if key != "STAMPS"})
+        # the driver's figures for the loaded (stamped) build
+        registers = kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_NUM_REGS)
+        shared = kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
+        rows.append({"kernel": kernel.name, "registers": registers, "production_registers": production.registers(),
+                     "shared_bytes": shared, "blocks_per_sm": blocks_per_sm(registers, threads, shared),
+                     "production_blocks_per_sm": blocks_per_sm(production.registers(), threads,
+                                                               production.shared_bytes()),
                      "build": " ".join(f"{key}={defines[key]}" for key in keys if key in defines)})
     return rows
 
@@ -250,10 +268,13 @@ def main() -> int:
           f"last end to o_proj's first release {table['o_proj']['release after decode']:.2f}; "
           f"a layer (sum of the matmuls' last ends): {layer:.2f} us")
     kernels = kernel_resources()
-    print("| kernel in the chain | registers | static shared memory (bytes) | build |")
-    print("|---|---|---|---|")
+    print("| kernel in the chain | registers (production) | static shared memory (bytes) | blocks an SM (production) "
+          "| build |")
+    print("|---|---|---|---|---|")
     for row in kernels:
-        print(f"| {row['kernel']} | {row['registers']} | {row['shared_bytes']} | {row['build']} |")
+        flag = "" if row["blocks_per_sm"] == row["production_blocks_per_sm"] else " **differs: this row misleads**"
+        print(f"| {row['kernel']} | {row['registers']} ({row['production_registers']}) | {row['shared_bytes']} | "
+              f"{row['blocks_per_sm']} ({row['production_blocks_per_sm']}){flag} | {row['build']} |")
     write_json(args.out, {"gpu": torch.cuda.get_device_name(), "layers": args.layers, "context": args.context,
                           "replays": args.replays, "ghz": 1 / ns, "table": table,
                           "decode_window_us": decode_window, "layer_us": layer, "kernels": kernels,

@@ -96,6 +96,20 @@ def test_the_shared_memory_carveout_switch_is_a_percent_or_auto(monkeypatch):
             cuda_rtc.shared_memory_carveout()
 
 
+@needs_nvrtc
+def test_the_long_row_default_fits_one_wave_on_the_h200():
+    # down on one row a warp is 512 blocks: one wave only at 4 blocks an SM (132 x 4 = 528), which its production
+    # build's registers allow and its STAMPS build's do not (benchmarks/layer_timeline.py flags that)
+    from benchmarks.layer_timeline import blocks_per_sm
+    config = cuda_gemv.default_config(4096, 14336)
+    blocks = 4096 // (config.rows * config.warps)
+    built = cuda_gemv.compile_kernel(14336, config, 1, False, False, stage=cuda_gemv.Staging(tma_x=True))
+    assert blocks_per_sm(built.registers(), 32 * config.warps, built.shared_bytes()) * 132 >= blocks == 512
+    stamped = cuda_gemv.compile_kernel(14336, config, 1, False, False, stamps=True,
+                                       stage=cuda_gemv.Staging(tma_x=True))
+    assert blocks_per_sm(stamped.registers(), 32 * config.warps, stamped.shared_bytes()) * 132 < blocks
+
+
 def test_default_configs_fill_whole_waves_on_the_h200():
     assert cuda_gemv.default_config(6144, 4096) == cuda_gemv.CudaGemvConfig(rows=3, u=4)       # 256 blocks
     assert cuda_gemv.default_config(4096, 4096) == cuda_gemv.CudaGemvConfig(rows=2, u=8)       # 256 blocks
