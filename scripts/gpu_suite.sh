@@ -119,7 +119,8 @@ if [[ $STAGES == *" profile "* ]]; then
   # (KESTREL_CUDA_GEMV_PREWAIT_OFF=4096x4096) +0.4%; o_proj a quarter before the wait (4096x4096=2,4) +0.5%.
   # Session 17: one L1/shared split for every NVRTC kernel (KESTREL_CUDA_CARVEOUT) 100 +5.9%, 25 +0.4%; decode
   # signalling after its first keys (KESTREL_CLUSTER_DECODE_SIGNAL=attend) +0.0% (8B), +0.6% (0.6B): both left as
-  # switches. Down on one row a warp (4096x14336=1,8: -0.3 to -0.6% in five calls) is now the default.
+  # switches. Down on one row a warp (4096x14336=1,8: -0.3 to -0.6% in six calls) is now the default. o_proj
+  # on 4 or 3 rows a warp (4096x4096=4,4 / 3,4, all its blocks resident beside decode) +0.8% / +0.8%.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
   # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.

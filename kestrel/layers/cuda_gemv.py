@@ -83,8 +83,9 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
     halves = 2 if silu else 1
     if m_tile == 1 and not silu and k >= 8192 and (k // 256) % 8 == 0:
         # A long row (the 8B's down): one row a warp, 8 loads a step, rather than the 2 rows (256 blocks) the
-        # wave rule picks. Measured on the 8B bs1 step in five same-call A/Bs (sessions 16-17, BENCHMARKS.md):
-        # -0.5%, -0.6%, -0.4%, -0.3%, -0.6%. Not measured at other shapes.
+        # wave rule picks. Measured on the 8B bs1 step in six same-call A/Bs (sessions 16-17, BENCHMARKS.md):
+        # -0.5%, -0.6%, -0.4%, -0.3%, -0.6%, and the old config +0.6% against it. 512 blocks, one wave at the
+        # 4 blocks an SM its 60 registers allow. Not measured at other shapes.
         return CudaGemvConfig(rows=1, u=8)
     capacity = sm_count * BLOCKS_PER_SM
 
