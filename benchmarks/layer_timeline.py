@@ -149,7 +149,7 @@ def analyse(stamps: list[dict[str, torch.Tensor]], cluster: int) -> dict:
         found.setdefault("end last", []).append(decode[:, 9].max().item() - qkv_end)
         for j, segment in enumerate(DECODE_SEGMENTS):
             found.setdefault(segment, []).append((decode[:, j + 1] - decode[:, j]).median().item())
-        late = per.setdefault("decode, last at barrier 1", {})
+        late = per.setdefault(LATE, {})
         for block in decode.split(cluster):
             segments = block[:, 1:8] - block[:, 0:7]
             rank = int(segments[:, DECODE_SEGMENTS.index("barrier 1")].argmin())
@@ -189,7 +189,14 @@ def kernel_resources() -> list[dict]:
     chain misstates that kernel (session 17: down on one row a warp, 60 registers in production, 72 stamped:
     4 blocks an SM against 3, so its 512 blocks fit one wave in the engine and not in the chain)."""
     sources = {"skinny_gemv": cuda_gemv.SOURCE, "cluster_decode": cluster_decode.SOURCE}
-    arch = cuda_rtc.device_arch(torch.cuda.current_device())
+    device = torch.device("cuda", torch.cuda.current_device())
+    arch = cuda_rtc.device_arch(device.index)
+
+    def resources(kernel: cuda_rtc.Kernel) -> tuple[int, int]:
+        # the driver's figures: NVRTC's log does not always carry ptxas's register line on the GPU machine
+        return (kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_NUM_REGS),
+                kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES))
+
     rows = []
     for kernel in cuda_rtc.loaded_kernels():
         defines = dict(kernel.compiled.defines)
@@ -198,15 +205,14 @@ def kernel_resources() -> list[dict]:
         keys = ("K", "ROWS", "WARPS", "U", "NORM", "SILU", "ROPE", "TMA_X", "PREWAIT", "GROUP", "CLUSTER", "MMA",
                 "NUM_WARPS")
         threads = 32 * defines.get("WARPS", defines.get("NUM_WARPS", 0))
-        production = cuda_rtc.compile_cubin(sources[kernel.name].read_text(), kernel.name, arch,
-                                            {key: value for key, value in defines.items() if key != "STAMPS"})
-        # the driver's figures for the loaded (stamped) build
-        registers = kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_NUM_REGS)
-        shared = kernel.attribute(cuda_rtc.CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES)
-        rows.append({"kernel": kernel.name, "registers": registers, "production_registers": production.registers(),
+        production = cuda_rtc.Kernel(
+            cuda_rtc.compile_cubin(sources[kernel.name].read_text(), kernel.name, arch,
+                                   {key: value for key, value in defines.items() if key != "STAMPS"}),
+            kernel.name, device, non_portable_cluster=defines.get("CLUSTER", 1) > 8)
+        (registers, shared), (production_registers, production_shared) = resources(kernel), resources(production)
+        rows.append({"kernel": kernel.name, "registers": registers, "production_registers": production_registers,
                      "shared_bytes": shared, "blocks_per_sm": blocks_per_sm(registers, threads, shared),
-                     "production_blocks_per_sm": blocks_per_sm(production.registers(), threads,
-                                                               production.shared_bytes()),
+                     "production_blocks_per_sm": blocks_per_sm(production_registers, threads, production_shared),
                      "build": " ".join(f"{key}={defines[key]}" for key in keys if key in defines)})
     return rows
 
