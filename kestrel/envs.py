@@ -1,0 +1,60 @@
+"""Developer switches: the one place Kestrel reads the environment, once, into a frozen dataclass.
+
+Everything a user sets is a flag and the same-named `LLM(...)` keyword (config.py). What is left here are
+switches for kernel A/B runs and debugging: each one turns a fast path off so it can be compared with the
+path it replaced. They are read the first time `switches()` is called (at engine start) and never again;
+tests that change one call `switches.cache_clear()`.
+
+    KESTREL_FUSED_OPS=0          torch ops instead of the fused Triton/CUDA kernels on CUDA (the reference path)
+    KESTREL_SKINNY_MATMUL=auto   decode-sized matmuls: auto (measured per shape), 0 (cuBLAS), all (Triton)
+    KESTREL_CUDA_GEMV=auto       CUDA C++ one-row matmuls for large weights: auto, 0 (off), all (every weight)
+    KESTREL_PDL=1                programmatic dependent launch between decode kernels on Hopper
+    KESTREL_CLUSTER_DECODE=1     the thread-block-cluster decode attention kernel for small bf16 batches on Hopper
+    KESTREL_CLUSTER_DECODE_MMA=auto   its tensor-core build: auto (groups of 4 and more), 0, 1
+    CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
+"""
+from __future__ import annotations
+
+import functools
+import os
+from dataclasses import dataclass
+
+
+def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
+    value = os.environ.get(name, default).strip() or default
+    if value not in allowed:
+        raise ValueError(f"{name}={value!r} is invalid: expected one of {', '.join(allowed)}")
+    return value
+
+
+def _flag(name: str, default: bool) -> bool:
+    return _choice(name, "1" if default else "0", ("0", "1")) == "1"
+
+
+@dataclass(frozen=True, slots=True)
+class DevSwitches:
+    fused_ops: bool = True
+    skinny_matmul: str = "auto"
+    cuda_gemv: str = "auto"
+    pdl: bool = True
+    cluster_decode: bool = True
+    cluster_decode_mma: str = "auto"
+    cuda_home: str = "/usr/local/cuda"
+
+
+@functools.cache
+def switches() -> DevSwitches:
+    return DevSwitches(
+        fused_ops=_flag("KESTREL_FUSED_OPS", True),
+        skinny_matmul=_choice("KESTREL_SKINNY_MATMUL", "auto", ("auto", "0", "all")),
+        cuda_gemv=_choice("KESTREL_CUDA_GEMV", "auto", ("auto", "0", "all")),
+        pdl=_flag("KESTREL_PDL", True),
+        cluster_decode=_flag("KESTREL_CLUSTER_DECODE", True),
+        cluster_decode_mma=_choice("KESTREL_CLUSTER_DECODE_MMA", "auto", ("auto", "0", "1")),
+        cuda_home=os.environ.get("CUDA_HOME", "/usr/local/cuda"),
+    )
+
+
+def child_environment(**extra: str) -> dict[str, str]:
+    """This process's environment plus `extra`, for a child process (kestrel launch)."""
+    return {**os.environ, **extra}
