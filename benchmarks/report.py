@@ -122,8 +122,8 @@ def suite_summary(out_dir: Path) -> dict:
     meta = _load(out_dir / "suite.json") or {}
     cur_bench, cur_serve = _tree_results(raw, "cur")
     base_bench, base_serve = _tree_results(raw, "base")
-    models = list(dict.fromkeys([*meta.get("models", []), *cur_bench.get("models", {}),
-                                 *base_bench.get("models", {})]))
+    planned = meta.get("models", []) if "bench" in meta.get("stages", ["bench"]) else []
+    models = list(dict.fromkeys([*planned, *cur_bench.get("models", {}), *base_bench.get("models", {})]))
     rows: list[dict] = []
 
     def add(cur: list, base: list) -> None:   # change: + is more tok/s, or more ms (rows ending in "ms")
@@ -184,7 +184,9 @@ def suite_table(summary: dict) -> str:
             lines.append(f"| {r['row']} | {cur} |")
     tests = summary.get("tests") or []
     if tests:
-        name = lambda t: t["file"].rsplit("/", 1)[-1]   # noqa: E731
+        def name(t: dict) -> str:
+            return t["file"].rsplit("/", 1)[-1]
+
         skipped = [name(t) for t in tests if t["exit"] == "skip"]
         failed = [name(t) + (" (timed out)" if t["exit"] in (124, 137) else "")
                   for t in tests if t["exit"] not in (0, 5, "skip")]
