@@ -3,8 +3,8 @@ CPU by executing the graph body eagerly: it must produce exactly the eager engin
 from __future__ import annotations
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner, batch_size_buckets
-from kestrel.engine.prefill_graphs import PrefillGraphRunner
+from kestrel.forward.decode_graphs import CudaGraphRunner, batch_size_buckets
+from kestrel.forward.prefill_graphs import PrefillGraphRunner
 
 PROMPTS = ["import os", "def f(x):\n    return x", "class A:\n    pass\n" * 3, "x = 1\n" * 7, "print(1)"] * 3
 
@@ -91,7 +91,7 @@ def check_verify_step(llm, graphs: CudaGraphRunner, prompts: list[str], truth: l
     must be the next true token and the logits those of a plain forward of the same tokens."""
     import torch
 
-    from kestrel.engine.batch import build_forward_batch
+    from kestrel.forward.batch import build_forward_batch
     engine, runner, q = llm.engine, llm.engine.runner, graphs.query_len
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seqs = []

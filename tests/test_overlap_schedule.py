@@ -6,7 +6,7 @@ from __future__ import annotations
 import random
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner
+from kestrel.forward.decode_graphs import CudaGraphRunner
 from kestrel.engine.overlap import PLACEHOLDER
 
 

@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kestrel.engine.cuda_graphs import packed_layout, torch_step_inputs
+from kestrel.forward.decode_graphs import packed_layout, torch_step_inputs
 from tests.triton_interpreter import INTERPRETED, interpreted_only, run_file_under_interpreter
 
 interpreted = interpreted_only("test_step_inputs_under_triton_interpreter")

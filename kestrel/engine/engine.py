@@ -14,12 +14,12 @@ import torch
 from kestrel.cache.block_pool import BlockPool
 from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import build_forward_batch
+from kestrel.forward.batch import build_forward_batch
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
 from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, overlap_eligible,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
-from kestrel.engine.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
+from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.setup import build_runner
 from kestrel.errors import KestrelError

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner
+from kestrel.forward.decode_graphs import CudaGraphRunner
 from tests.test_graph_decode_path import check_verify_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]

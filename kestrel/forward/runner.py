@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.engine.batch import ForwardBatch, ForwardOutput
+from kestrel.forward.batch import ForwardBatch, ForwardOutput
 from kestrel.models.model_config import ModelConfig
 
 logger = logging.getLogger("kestrel.runner")

@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 from kestrel.engine.request import Sequence
 from kestrel.progress import Progress
 
@@ -357,7 +357,7 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
         logger.warning("attention backend %s cannot be captured in CUDA graphs; running eagerly",
                        runner.backend.name)
         return
-    from kestrel.engine.prefill_graphs import PrefillGraphRunner
+    from kestrel.forward.prefill_graphs import PrefillGraphRunner
 
     max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
     max_blocks = -(-max_model_len // config.block_size)

@@ -13,8 +13,8 @@ import logging
 
 import torch
 
-from kestrel.engine.batch import ForwardBatch
-from kestrel.engine.cuda_graphs import GraphStepOutput
+from kestrel.forward.batch import ForwardBatch
+from kestrel.forward.decode_graphs import GraphStepOutput
 from kestrel.engine.request import Sequence
 
 logger = logging.getLogger("kestrel.prefill_graphs")
