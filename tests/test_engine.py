@@ -184,5 +184,5 @@ def test_activation_profile_batch_stays_within_the_models_positions(checkpoint_f
     setup = build_runner(EngineConfig(model=str(checkpoint_factory("llama")), device="cpu",
                                       max_model_len=256), Progress())   # the checkpoint has 256 positions
     setup.runner.allocate_kv_cache(blocks)
-    out = setup.runner.forward_eager(batch)
+    out = setup.runner.forward(batch)
     assert out.logits.shape[0] == 3 and bool(out.logits.isfinite().all())

@@ -172,7 +172,7 @@ def profile_activation_peak(runner: ModelRunner, config: EngineConfig, max_model
     batch, blocks = activation_profile_batch(config.max_num_batched_tokens, max_model_len, config.block_size)
     runner.allocate_kv_cache(blocks)
     torch.cuda.reset_peak_memory_stats(runner.device)
-    runner.forward_eager(batch.to(runner.device))
+    runner.forward(batch.to(runner.device))
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device)
     runner.free_kv_cache()

@@ -1,4 +1,11 @@
-"""ModelRunner: owns the model, the paged KV cache and the attention backend; runs one ForwardBatch.
+"""ModelRunner: owns the model, the paged KV cache and the attention backend; runs one step.
+
+`execute(chunks)` is the engine's one entry: it takes the road the step's shape allows and every road builds a
+ForwardBatch and runs `forward` on it (inside a captured graph or not), so each returns the same ForwardOutput:
+
+    a decode step of at most cuda_graph_max_bs sequences   -> forward/decode_graphs.py (replay)
+    a lone sequence's prompt chunk of 2 .. 512 tokens       -> forward/prefill_graphs.py (replay)
+    anything else                                           -> eager forward
 
 KV cache memory, one pair per layer (views into one allocation):
 
@@ -13,7 +20,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch, ForwardOutput
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk, chunks_to_batch
 from kestrel.models.model_config import ModelConfig
 
 logger = logging.getLogger("kestrel.runner")
@@ -25,7 +32,7 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) ->
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype, block_size: int) -> None:
+                 dtype: torch.dtype, block_size: int, capture_hidden_layers: tuple[int, ...] = ()) -> None:
         self.model = model
         self.cfg = cfg
         self.backend = backend
@@ -34,8 +41,11 @@ class ModelRunner:
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
-        self.graphs = None          # CudaGraphRunner for decode steps (the engine calls it directly)
-        self.prefill_graphs = None  # PrefillGraphRunner for a lone sequence's prompt chunk
+        # layers whose input hidden states every step returns (EAGLE-3's drafter reads three); set before the
+        # graphs are captured, since a graph's outputs are fixed at capture
+        self.capture_hidden_layers = capture_hidden_layers
+        self.graphs = None          # DecodeGraphs (forward/decode_graphs.py), after capture
+        self.prefill_graphs = None  # PrefillGraphs (forward/prefill_graphs.py), after capture
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
@@ -48,15 +58,26 @@ class ModelRunner:
         self.kv_cache = None
         self.kv_caches = []
 
+    def decodes_in_graph(self, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""
+        return self.graphs is not None and self.graphs.can_run(num_seqs)
+
     @torch.inference_mode()
-    def forward(self, batch: ForwardBatch) -> ForwardOutput:
-        """Run one step; `batch` may live on the CPU (it is moved) or already on the device."""
+    def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """One step of the engine, on the road its shape allows. A decode-graph launch is queued, not waited for:
+        its tokens are read when the caller reads them (the overlap schedule reads them one step later)."""
+        if self.graphs is not None and self.graphs.can_run_chunks(chunks):
+            return self.graphs.launch(chunks)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run_chunks(chunks):
+            return self.prefill_graphs.run(chunks[0])
+        return self.forward(chunks_to_batch(chunks, self.block_size, self.capture_hidden_layers))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, float_logits: bool = True) -> ForwardOutput:
+        """Run one ForwardBatch (moved to the device if it lives on the CPU). float_logits=False leaves the logits
+        in the model dtype (for a caller that casts them itself)."""
         if batch.input_ids.device != self.device:
             batch = batch.to(self.device)
-        return self.forward_eager(batch)
-
-    def forward_eager(self, batch: ForwardBatch, float_logits: bool = True) -> ForwardOutput:
-        """float_logits=False leaves the logits in the model dtype (for a caller that casts them itself)."""
         self.backend.prepare(batch)
         hidden, captured = self.model(batch, self.backend, self.kv_caches)
         return ForwardOutput(logits=self.model.compute_logits(hidden, float_logits), hidden_states=captured)
