@@ -21,7 +21,7 @@ from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow,
 from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
-from kestrel.engine.setup import build_runner
+from kestrel.engine.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
