@@ -3,7 +3,7 @@
 For each model: startup split by phase; single-stream decode (prompt 128, 256 new tokens, 3 prompts one at a
 time) with and without CUDA graphs and per attention backend; TTFT of one 128-token prompt; output throughput
 at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory; the bs1 roofline (weight bytes
-one step reads / measured copy bandwidth: benchmarks/roofline.py); and HF transformers eager `generate` on the
+one step reads / measured copy bandwidth); and HF transformers eager `generate` on the
 same weights in the same run.
 
     python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
@@ -22,8 +22,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.host_timing import GcPauses, interval_summary
-from benchmarks.roofline import decode_weight_bytes, weight_bytes
 from benchmarks.shapes import SHAPES, write_random_checkpoint
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
 from kestrel.engine.engine import Engine
@@ -31,6 +29,22 @@ from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
 
 log = logging.getLogger("bench")
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of all the model's parameters, shared ones once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes one single-token decode step reads: every weight once, but of an input embedding table that no other
+    module reads (an untied LM head) only the one row the token looks up."""
+    total = weight_bytes(model)
+    embed = model.embed_tokens.weight
+    lm_head = getattr(model, "lm_head", None)
+    if lm_head is None or lm_head.weight is not embed:
+        total -= (embed.shape[0] - 1) * embed.shape[1] * embed.element_size()
+    return total
 
 
 def copy_bandwidth_bytes_per_s() -> float:
@@ -50,45 +64,35 @@ def copy_bandwidth_bytes_per_s() -> float:
     return 2 * (2 << 30) / seconds
 
 
-def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int,
-                 intervals: list[float] | None = None) -> dict:
-    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT.
-    `intervals` gets the host time between step() returns once every request has its first token."""
+def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
+    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i, p in enumerate(prompts):
         engine.add_request(f"b{i}-{t0}", p, params)
     tokens = 0
-    last = None
     while engine.has_unfinished():
         for up in engine.step():
             if up.new_token_ids and up.request_id not in first:
                 first[up.request_id] = time.perf_counter() - t0
             tokens += len(up.new_token_ids)
-        if intervals is not None and len(first) == len(prompts):
-            now = time.perf_counter()
-            if last is not None:
-                intervals.append(now - last)
-            last = now
     wall = time.perf_counter() - t0
     return {"wall_s": wall, "output_tokens": tokens, "ttft_s": sorted(first.values())}
 
 
 def single_stream(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
     """Prompts one at a time (the tuning report's method): tok/s = all output tokens / all wall time."""
-    walls, ttfts, tokens, intervals = [], [], 0, []
-    with GcPauses() as gc_pauses:
-        for p in prompts:
-            r = run_requests(engine, [p], max_tokens, intervals)
-            walls.append(r["wall_s"])
-            ttfts.append(r["ttft_s"][0])
-            tokens += r["output_tokens"]
+    walls, ttfts, tokens = [], [], 0
+    for p in prompts:
+        r = run_requests(engine, [p], max_tokens)
+        walls.append(r["wall_s"])
+        ttfts.append(r["ttft_s"][0])
+        tokens += r["output_tokens"]
     wall = sum(walls)
     decode_s = sum(w - t for w, t in zip(walls, ttfts))
     return {"tok_s": tokens / wall, "ms_per_token": 1000 * wall / tokens,
-            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts),
-            "step_intervals": interval_summary(intervals), "gc_pauses": gc_pauses.summary()}
+            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts)}
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:

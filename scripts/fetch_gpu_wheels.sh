@@ -1,10 +1,9 @@
 #!/usr/bin/env bash
 # Wheels the GPU machine lacks (it has torch/triton/transformers but no fastapi/uvicorn/pydantic/flashinfer and no
-# network), downloaded here for its Python 3.12 into .whl/ (git-ignored via .git/info/exclude); gpu_suite.sh
-# installs them there. Carry the folder with the device call: carry [".whl"].
+# network), downloaded here for its Python 3.12 into .whl/ (git-ignored); gpu_suite.sh installs them there. Carry
+# the folder with the device call: carry [".whl"].
 set -euo pipefail
 cd "$(dirname "$0")/.."
-grep -qx '/.whl/' .git/info/exclude 2>/dev/null || echo '/.whl/' >> .git/info/exclude
 PY=${PY:-python3}
 dl() { $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

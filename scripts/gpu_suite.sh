@@ -1,203 +1,162 @@
 #!/usr/bin/env bash
-# The whole GPU suite in one device call: tests/gpu, the engine benchmarks (with the HF transformers peer), the
-# HTTP overhead, and the tuning-report table through `kestrel launch ... --then "kestrel bench serve"`.
-# Prints a short table last. Results land in $OUT (the device tool's folder) or ./out.
-#   bash scripts/gpu_suite.sh [--models qwen3-0.6b,llama-3.1-8b,kestrel-tiny]
-#   SERVE_VARIANTS="name:serve-flag:bench-flag ..." picks the server runs (flags in --flag=value form, no spaces),
-#   e.g. SERVE_VARIANTS="graphs:: torch:--attention-backend=torch:--output-len=64"
+# The GPU suite in one device call: the engine benchmark of the Llama-3.1-8B and Qwen3-0.6B shapes (bs1 decode,
+# 128 concurrent, TTFT; random weights in real shapes), the server run (`kestrel launch ... --then "kestrel bench
+# serve --preset single-and-peak"` on the 8B shape, and the HTTP overhead on the 0.6B shape), then tests/gpu (one
+# pytest per file, each under a time limit; last, so that their kernel compiles cannot disturb the measurements).
+# Prints one short table last.
+#
+#   bash scripts/gpu_suite.sh [--dry-run] [extra engine_bench.py flags]
+#
+#   STAGES="bench serve tests"   the stages to run, always in this order (the default: all three; tests/gpu whole
+#                                takes more than what the measurements leave of 10 minutes, so for every file to
+#                                run, give it its own call: STAGES=tests)
+#   MODELS=llama-3.1-8b,qwen3-0.6b   the bench shapes (benchmarks/shapes.py names, or kestrel-tiny)
+#   HF=1                         also time HF transformers eager `generate` on the same weights (slow: ~1 min/shape)
+#   BASELINE_SRC=DIR             before/after: DIR holds another commit's repo root; the bench and serve rows run
+#                                from it too (cwd there, PYTHONPATH pointing at it), alternating with this tree,
+#                                and the table shows both and the change. Make it with
+#                                  git archive REV -- . ':!benchmarks/results' ':!models' | (mkdir -p .baseline &&
+#                                  tar -x -C .baseline) && git rev-parse --short REV > .baseline/COMMIT
+#                                and carry [".baseline"] with the call (.baseline/ is git-ignored; without models/
+#                                the baseline cannot bench kestrel-tiny).
+#   SUITE_BUDGET=570             seconds the whole run may take, so that the table is printed inside the call: a bench
+#                                run is cut to what is left after ~100 s for each server run to come, a test file to
+#                                what is left, and a test file with under 20 s left is skipped (the table says so)
+#   GPU_TEST_FILES, GPU_TEST_ARGS, GPU_TEST_TIMEOUT (150 s a file, twice that for the kernel matrices)
+#   SERVE_MODEL (llama-3.1-8b), SERVE_ARGS (extra `kestrel serve` flags), PREFIX_BENCH (none; or qwen3-0.6b for the
+#   shared-prefix workload), HTTP_THREAD=1 (the HTTP overhead with --engine-in-thread too), BENCH_TIMEOUT (300 s a
+#   run), BENCH_WORKDIR (/tmp/kestrel-bench: the random-weight checkpoints, reused while the machine stays warm)
+#   COMMIT=SHA                   this tree's commit for the table, where the tree has no .git (spell the SHA out:
+#                                COMMIT=abc1234 bash scripts/gpu_suite.sh; without it: git, else "?")
+#   --dry-run                    print each command instead of running it (the control flow, on any machine)
+#
+# Results: $OUT (the device tool's folder) or ./out: summary.md (the table), summary.json (its figures), suite.log,
+# raw.tar.gz (every JSON: engine_bench reports, serve results, HTTP overhead, CUDA-vs-HF parity). On the project's
+# GPU machine, run scripts/fetch_gpu_wheels.sh here first and carry .whl (the server's packages) with the call.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
-OUT=${OUT:-$PWD/out}; mkdir -p "$OUT"; LOG=$OUT/suite.log; WORK=${KESTREL_BENCH_WORKDIR:-/tmp/kestrel-bench}
-mkdir -p "$WORK"; : > "$WORK/ab_switches.txt"   # this call's A/B switches, for BENCH_SWITCH=best
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # from scripts/fetch_gpu_wheels.sh, carried with the call
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-    && export PYTHONPATH=/tmp/site
+DRY=0; BENCH_ARGS=()
+for a in "$@"; do case $a in --dry-run) DRY=1;; *) BENCH_ARGS+=("$a");; esac; done
+ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
+OUT=${OUT:-$ROOT/out}; RAW=$OUT/raw; mkdir -p "$RAW"; LOG=$OUT/suite.log; : > "$LOG"; : > "$OUT/tests.tsv"
+WORK=${BENCH_WORKDIR:-/tmp/kestrel-bench}; mkdir -p "$WORK"
+STAGES=" ${STAGES:-bench serve tests} "; MODELS=${MODELS:-llama-3.1-8b,qwen3-0.6b}
+SERVE_MODEL=${SERVE_MODEL:-llama-3.1-8b}
+BASE=${BASELINE_SRC:-}
+if [ -n "$BASE" ]; then
+  [ -d "$BASE/kestrel" ] || { echo "BASELINE_SRC=$BASE holds no kestrel/ package" >&2; exit 2; }
+  BASE=$(cd "$BASE" && pwd)
 fi
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-KESTREL="python3 -m kestrel.cli"
-step() { echo "=== $* ($(date +%T))" | tee -a "$LOG"; }
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader | tee -a "$LOG"
-
-# STAGES picks what runs (a full run is close to one device call's 10 minutes; split it over two calls if needed):
-#   profile: bs1 decode kernel table (benchmarks/profile_decode.py) · tests: tests/gpu · bench: engine benchmarks (+ HF peer) · prologue: engine bench with KESTREL_FUSED_ATTN_PROLOGUE=0
-#   ops: fused elementwise ops, Triton vs torch.compile (benchmarks/fused_ops_bench.py)
-#   cudagemv: the CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)
-#   timeline: the cluster decode kernel's segments, timed inside it (benchmarks/decode_timeline.py)
-#   layertimeline: the 8B's bs1 layer chain, each matmul's wait, staging, steps and tail (benchmarks/layer_timeline.py)
-#   boundary: a dependent chain of phases: kernel boundaries vs grid barriers, and weights streamed ahead (benchmarks/boundary_bench.py)
-#   serve: HTTP overhead (engine process vs --engine-in-thread) and launch + bench serve
-STAGES=" ${STAGES:-tests bench serve} "
-# A file may need longer than GPU_TEST_TIMEOUT: the skinny-matmul file compiles ~100 kernel variants (K is a
-# constexpr), the kernels file's decode matrix ~60 (its decode tests alone took 99 s in session 6).
-test_timeout() { case $1 in *test_gemv_gpu.py|*test_kernels_gpu.py) echo $(( ${GPU_TEST_TIMEOUT:-150} * 2 ));;
-  *) echo ${GPU_TEST_TIMEOUT:-150};; esac; }
-run_tests() {   # run_tests FILE...: one pytest per file, each with its own time limit
-  for f in "$@"; do
-    KESTREL_GPU_REPORT=$OUT/gpu_parity.json timeout $(test_timeout $f) python3 -m pytest -q -rf --tb=line \
-      -p no:cacheprovider $f ${GPU_TEST_ARGS:-} >> "$LOG" 2>&1; echo "$f exit $?" | tee -a "$LOG"
-    tail -1 "$LOG"
-  done
+TREES="cur"; [ -n "$BASE" ] && TREES="base cur"
+tree_dir() { [ "$1" = base ] && echo "$BASE" || echo "$ROOT"; }
+BUDGET=${SUITE_BUDGET:-570}; START=$SECONDS
+SERVE_RESERVE=0; [[ $STAGES == *" serve "* ]] && SERVE_RESERVE=$((60 + 100 * $(echo $TREES | wc -w)))
+within() {   # within WANT RESERVE: WANT seconds, or what the budget leaves after RESERVE if that is less
+  local left=$((BUDGET - (SECONDS - START) - $2)); echo $(( $1 < left ? $1 : left ))
 }
-if [[ $STAGES == *" tests "* ]]; then
-  step "tests/gpu"
-  # One pytest per file, so a slow file cannot hide the others' failure lines.
-  run_tests ${GPU_TEST_FILES:-tests/gpu/test_*.py}
-fi
-if [[ $STAGES == *" ops "* ]]; then
-  step "fused elementwise ops: Triton vs torch.compile vs eager (inside CUDA graphs)"
-  # OPS_ARGS, e.g. "--ops rotary,qk_prologue", times only some rows.
-  timeout ${OPS_TIMEOUT:-300} python3 -m benchmarks.fused_ops_bench --out "$OUT/fused_ops.json" ${OPS_ARGS:-} \
-    2>> "$LOG" | tee -a "$LOG"
-fi
-if [[ $STAGES == *" boundary "* ]]; then
-  step "a kernel boundary vs an in-kernel grid barrier, per dependent phase (benchmarks/boundary_bench.py)"
-  timeout ${BOUNDARY_TIMEOUT:-240} python3 -m benchmarks.boundary_bench --out "$OUT/boundary.json" ${BOUNDARY_ARGS:-} 2>> "$LOG" | tee -a "$LOG"
-fi
-if [[ $STAGES == *" cudagemv "* ]]; then
-  step "CUDA C++ skinny matmuls vs cuBLAS at the 8B's shapes (benchmarks/cuda_gemv_bench.py)"
-  timeout ${CUDA_GEMV_TIMEOUT:-180} python3 -m benchmarks.cuda_gemv_bench --out "$OUT/cuda_gemv.json" 2>> "$LOG" | tee -a "$LOG"
-fi
-if [[ $STAGES == *" timeline "* ]]; then
-  step "cluster decode, timed inside the kernel (benchmarks/decode_timeline.py)"
-  timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.decode_timeline --out "$OUT/decode_timeline.json" 2>> "$LOG" | tee -a "$LOG"
-fi
-if [[ $STAGES == *" layertimeline "* ]]; then
-  step "the 8B's bs1 layer chain, its matmuls timed inside them (benchmarks/layer_timeline.py)"
-  # LAYER_TIMELINE_AB="SWITCH ...": a second run per switch ('+' joins switches), e.g. KESTREL_CUDA_GEMV_CONFIG=...
-  timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.layer_timeline --out "$OUT/layer_timeline.json" 2>> "$LOG" | tee -a "$LOG"
-  for ab in ${LAYER_TIMELINE_AB:-}; do
-    echo "--- $ab" | tee -a "$LOG"
-    env ${ab//+/ } timeout ${TIMELINE_TIMEOUT:-120} python3 -m benchmarks.layer_timeline \
-      --out "$OUT/layer_timeline_$(echo "$ab" | tr -c 'A-Za-z0-9\n' _).json" 2>> "$LOG" | tee -a "$LOG"
-  done
-fi
-if [[ $STAGES == *" profile "* ]]; then
-  if [ "${GEMV_BENCH:-1}" = 1 ]; then
-    step "skinny matmul kernels vs cuBLAS"
-    timeout 120 python3 -m benchmarks.gemv_bench --out "$OUT/gemv_bench.json" 2>> "$LOG" | tee -a "$LOG"
+
+SITE=
+if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # from scripts/fetch_gpu_wheels.sh, carried with the call
+  if [ $DRY = 1 ]; then SITE=/tmp/site; else
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+      .whl/*.whl >> "$LOG" 2>&1 && SITE=/tmp/site
   fi
-  step "bs1 decode profile (kernel table per step), then A/B: each fast-path switch flipped in turn"
-  # PROFILE_ARGS, e.g. --like-bench (engine_bench.py's engine sizes), go to the baseline and every A/B.
-  timeout 240 python3 -m benchmarks.profile_decode --workdir "$WORK" --out "$OUT/profile.json" \
-    --models ${PROFILE_MODELS:-qwen3-0.6b,llama-3.1-8b} ${PROFILE_ARGS:-} 2>> "$LOG" | tee -a "$LOG"
-  # [model@]SWITCH[+SWITCH...]: the 0.6B shape unless a model is named; '+' joins switches flipped together.
-  # Decided A/Bs leave the list (BENCHMARKS.md, sessions 7 and 8):
-  #   Kernels signalling their successor at their start (PDL early signal): +3.8% (0.6B), -0.3% (8B); removed.
-  #   The graph's input bookkeeping in one Triton kernel: +0.1% (0.6B); removed.
-  #   4 or 2 warps per whole-slice skinny program (fewer registers per SM): +0.3% / +0.6%; removed.
-  #   The 8B's matmuls on the Triton skinny kernel, all but gate_up (KESTREL_SKINNY_MAX_MB=120): +6.3%.
-  #   L2 prefetch of later weights: +18.8% (0.6B), +2.1% (8B); removed.
-  #   Fused logits cast + argmax: -1.5% (0.6B), -0.9% (8B); now the default.
-  #   2-warp decode programs: +8%. The old decode defaults (64-key tiles, no prefetch): +6.8% (0.6B), +0.4% (8B).
-  #   The 8B's o_proj alone on Triton (KESTREL_SKINNY_MAX_MB=40): +1.2%.
-  #   The 8B's bs1 step through the 8-row graph (KESTREL_GRAPH_MIN_BS=8): +1.1%.
-  #   Session 9: one 64 KB skinny program per SM (KESTREL_GEMV_PROGRAMS=128): +3.9%; the 0.6B's gate_up alone on
-  #   192 wider programs: +0.5%; the 8B's Triton matmuls with PDL off: +7.9% (PDL is not why they lose). Removed.
-  # Session 10: KESTREL_FUSED_DECODE_PROLOGUE=1 (rebuilt) +2.6% (0.6B), -0.7% (8B, twice): kept off, in the tree;
-  # the 8B's one-row cuBLAS matmuls asked as a column (-0.5%) and TORCH_BLAS_PREFER_CUBLASLT=1 (-0.5%), both in
-  # the 8B's noise: the column knob is removed. The one-pass add-RMSNorm is the default (-1.8%; A/B
-  # KESTREL_GEMV_ONE_PASS_NORM=0); the decode merge by query head with scalar log-sum-exp loads replaced the
-  # merge over the 16 padded rows (-2.2%; the old merge is removed).
-  # Session 11: the cluster decode kernel (KESTREL_CLUSTER_DECODE=8, CUDA C++) is the default: the Triton kernel
-  # measured +3.9% / +5.2% (0.6B) and +2.2% / -0.4% / +0.6% (8B) against it; 16 programs a kv head -2.0% against
-  # the Triton kernel (worse than 8); 8 warps a program -0.9% against 4, 2 warps +5.6%.
-  # Session 12: the CUDA C++ skinny matmuls for the 8B (KESTREL_CUDA_GEMV=auto) are the default: cuBLAS
-  # (KESTREL_CUDA_GEMV=0) measured +10.8% / +12.4% against them; only qkv and o_proj on them
-  # (KESTREL_CUDA_GEMV_MAX_MB=50) -2.6%. Neutral or worse, removed: o_proj's weight pulled into L2 by the decode
-  # kernel (bulk -0.15% / +0.1%, per line +3.6% / +4.5%), 4-warp decode programs beside it (+0.3%), the norm
-  # weight read after the wait (+0.1%). KESTREL_CUDA_GEMV_CONFIG="NxK=rows,u" overrides a shape's config
-  # (o_proj 4,4: -0.2%; qkv 1,16: +0.9%).
-  # Session 14: decode on tensor cores (KESTREL_CLUSTER_DECODE_MMA, auto = groups of 4 and more) -2.5% / -2.3%
-  # on the 8B (CUDA cores +2.3% against it), +1.9% / +3.7% on the 0.6B (kept on CUDA cores); 1 tile a warp
-  # +0.6% and 2 warps +0.4% against 2 tiles and 4 warps; 1-warp programs +2.1% (cluster 16) / +2.7% (8);
-  # cluster 4 +0.2%.
-  # Session 15: wider tensor-core decode programs (cluster 2 / 4 with 8 warps) +0.3% / +0.2%; the engine's sizes
-  # (KESTREL_PROFILE_LIKE_BENCH=1) +0.4%, mostly the graph's index_put of 256 update slots; the torch graph head
-  # (KESTREL_FUSED_STEP_INPUTS=0) +1.0% on the 0.6B, -0.1% / -0.3% on the 8B (inside its spread).
-  # Session 16: the activation by bulk copy after the wait (KESTREL_CUDA_GEMV_TMA_X) is the default: off measured
-  # +4.6% (and -3.7% on when it was the A/B); o_proj without it +0.6%; o_proj's weights after its activation
-  # (KESTREL_CUDA_GEMV_PREWAIT_OFF=4096x4096) +0.4%; o_proj a quarter before the wait (4096x4096=2,4) +0.5%.
-  # Session 17: one L1/shared split for every NVRTC kernel (KESTREL_CUDA_CARVEOUT) 100 +5.9%, 25 +0.4%; decode
-  # signalling after its first keys (KESTREL_CLUSTER_DECODE_SIGNAL=attend) +0.0% (8B), +0.6% (0.6B): both left as
-  # switches. Down on one row a warp (4096x14336=1,8: -0.3 to -0.6% in six calls) is now the default. o_proj
-  # on 4 or 3 rows a warp (4096x4096=4,4 / 3,4, all its blocks resident beside decode) +0.8% / +0.8%.
-  # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
-  # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
-  # out (garbage tokens), to see what the rest costs without it.
-  # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list
-  # re-measures the reference points: the fused argmax off on both models, 16-key decode tiles (-0.4%, within
-  # noise) and the prologue's rotary loads before its wait (-0.5% in session 6).
-  for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16 \
-      KESTREL_PROLOGUE_PREFETCH=1}; do
-    model=qwen3-0.6b; switch=$ab
-    [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
-    echo "--- $model $switch" | tee -a "$LOG"
-    tag=$(echo "$switch" | tr -c 'A-Za-z0-9\n' _); echo "${model}_$tag $switch" >> "$WORK/ab_switches.txt"
-    # Each A/B's whole kernel table goes to its own JSON; the log keeps the step time.
-    env ${switch//+/ } timeout 150 python3 -m benchmarks.profile_decode --workdir "$WORK" --models "$model" \
-      --out "$OUT/profile_ab_${model}_$tag.json" ${PROFILE_ARGS:-} \
-      2>> "$LOG" | grep -E "^##|engine.step|busy" | tee -a "$LOG"
-  done
-fi
-if [[ $STAGES == *" bench "* ]]; then
-  step "engine benchmarks"
-  # BENCH_SWITCH=best: bench with the fastest of this call's profile A/Bs if it gained >= 1% (else the defaults).
-  BENCH_SWITCH=${BENCH_SWITCH:-}
-  if [ "$BENCH_SWITCH" = best ]; then
-    BENCH_SWITCH=$(python3 -m benchmarks.ab_summary "$OUT" --best "$WORK/ab_switches.txt" 2>> "$LOG")
-    echo "bench switch: ${BENCH_SWITCH:-none (no A/B gained 1%)}" | tee -a "$LOG"
-  fi
-  env ${BENCH_SWITCH//+/ } timeout ${GPU_BENCH_TIMEOUT:-330} python3 -m benchmarks.engine_bench --workdir "$WORK" \
-    --out "$OUT/bench.json" "$@" >> "$LOG" 2>&1; echo "engine bench exit $?" | tee -a "$LOG"
-fi
-if [[ $STAGES == *" prologue "* ]]; then
-  step "fused attention prologue off (bs1 and 128 concurrent, no HF peer)"
-  KESTREL_FUSED_ATTN_PROLOGUE=0 timeout 240 python3 -m benchmarks.engine_bench --workdir "$WORK" --skip-hf \
-    --prefix-bench none --models ${PROLOGUE_MODELS:-qwen3-0.6b,llama-3.1-8b} --out "$OUT/bench_prologue.json" \
-    >> "$LOG" 2>&1; echo "prologue bench exit $?" | tee -a "$LOG"
-  python3 -m benchmarks.report "$OUT/bench_prologue.json" | grep -E "^\*\*|graphs|eager" | head -12
 fi
 
-MODEL=$WORK/${SERVE_MODEL:-llama-3.1-8b}
-if [[ $STAGES == *" serve "* ]]; then
-  [ -d "$MODEL" ] || python3 -c "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; \
-    w('${SERVE_MODEL:-llama-3.1-8b}', Path('$MODEL'))" >> "$LOG" 2>&1
-  [ -d "$WORK/qwen3-0.6b" ] || python3 -c "from benchmarks.shapes import write_random_checkpoint as w; \
-    from pathlib import Path; w('qwen3-0.6b', Path('$WORK/qwen3-0.6b'))" >> "$LOG" 2>&1
-  step "HTTP overhead (qwen3-0.6b shape): engine process, then --engine-in-thread"
-  timeout 100 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
-    --max-tokens 256 --repeats 3 > "$OUT/http_overhead.json" 2>> "$LOG"
-  [ "${HTTP_THREAD:-1}" = 1 ] && timeout 100 python3 benchmarks/http_overhead.py --model "$WORK/qwen3-0.6b" \
-    --serve-arg=--engine-in-thread --max-tokens 256 --repeats 3 > "$OUT/http_overhead_thread.json" 2>> "$LOG"
-  grep -h overhead_pct "$OUT"/http_overhead*.json
-  # name:extra serve flags:extra bench flags — the slow eager backends run 64-token outputs to save device time.
-  SERVE_VARIANTS=${SERVE_VARIANTS:-"graphs:: eager:--disable-cuda-graph:"}
-  files=(); labels=()
-  for v in $SERVE_VARIANTS; do
-    [ "$v" = none ] && continue
-    IFS=: read -r name serve_flags bench_flags <<< "$v"
-    step "launch + bench serve single-and-peak: $name"
-    timeout 330 $KESTREL launch --name "kestrel-$name" --ready-timeout 300 --stall-timeout 60 \
-      --then "$KESTREL bench serve --base-url {base_url} --preset single-and-peak --label kestrel-$name \
-              --no-progress $bench_flags --output $OUT/serve_$name.json" \
-      -- $KESTREL serve "$MODEL" --port 8011 $serve_flags >> "$LOG" 2>&1
-    echo "launch exit $?" | tee -a "$LOG"
-    files+=("$OUT/serve_$name.json"); labels+=("kestrel-$name")
+say() { echo "$*" | tee -a "$LOG"; }
+step() { say "=== $* ($(date +%T))"; }
+# in_tree TREE SECONDS CMD...: CMD with TREE as cwd and first on PYTHONPATH, under a time limit, output to the log
+in_tree() {
+  local dir; dir=$(tree_dir "$1"); local limit=$2; shift 2
+  if [ "$limit" -lt 10 ]; then say "skipped, the suite's time budget is spent: $*"; return 124; fi
+  if [ $DRY = 1 ]; then
+    say "[dry-run] cd $dir && PYTHONPATH=$dir${SITE:+:$SITE} timeout $limit $(printf '%q ' "$@")"; return 0
+  fi
+  (cd "$dir" && PYTHONPATH=$dir${SITE:+:$SITE} timeout "$limit" "$@") >> "$LOG" 2>&1
+}
+commit_of() {   # a tree's commit: $COMMIT for this tree, its COMMIT file (see BASELINE_SRC), git, or "?"
+  local dir; dir=$(tree_dir "$1")
+  if [ "$1" = cur ] && [ -n "${COMMIT:-}" ]; then echo "$COMMIT"
+  elif [ -f "$dir/COMMIT" ]; then head -c 40 "$dir/COMMIT"
+  else git -C "$dir" rev-parse --short HEAD 2>/dev/null || echo "?"; fi
+}
+gpu=$(command -v nvidia-smi >/dev/null && nvidia-smi --query-gpu=name --format=csv,noheader | head -1 || echo "no GPU")
+say "$gpu · commit $(commit_of cur)${BASE:+ · baseline $BASE ($(commit_of base))} · stages:$STAGES"
+python3 - "$OUT/suite.json" "$gpu" "$(commit_of cur)" "${BASE}" "$([ -n "$BASE" ] && commit_of base)" "$MODELS" \
+  "$STAGES" <<'EOF'
+import datetime, json, sys
+out, gpu, commit, base, base_commit, models, stages = sys.argv[1:]
+json.dump({"gpu": gpu, "commit": commit, "baseline_src": base or None, "baseline_commit": base_commit or None,
+           "models": models.split(","), "stages": stages.split(), "date": datetime.date.today().isoformat()},
+          open(out, "w"), indent=1)
+EOF
+
+if [[ $STAGES == *" bench "* ]]; then
+  # One engine_bench.py run per shape and tree (each runs Kestrel, and the HF peer, in child processes). With a
+  # baseline the trees alternate: base first on odd shapes, current first on even ones, so drift hits both alike.
+  i=0
+  for model in ${MODELS//,/ }; do
+    order=$TREES; [ -n "$BASE" ] && [ $((i % 2)) = 1 ] && order="cur base"; i=$((i + 1))
+    for tree in $order; do
+      hf=(--skip-hf); [ "${HF:-0}" = 1 ] && [ "$tree" = cur ] && hf=()
+      step "engine bench $model ($tree tree$([ ${#hf[@]} = 0 ] && echo ', with the HF peer'))"
+      in_tree "$tree" "$(within "${BENCH_TIMEOUT:-300}" "$SERVE_RESERVE")" python3 -m benchmarks.engine_bench \
+        --workdir "$WORK" --models "$model" --prefix-bench "${PREFIX_BENCH:-none}" \
+        --out "$RAW/bench_${tree}_$model.json" "${hf[@]}" "${BENCH_ARGS[@]}"
+      say "engine bench $model $tree exit $?"
+    done
   done
-  [ ${#files[@]} -gt 0 ] && $KESTREL bench compare "${files[@]}" --labels "$(IFS=,; echo "${labels[*]}")" \
-    > "$OUT/serve_comparison.md" 2>> "$LOG"
 fi
-if [ -n "${LATE_TEST_FILES:-}" ]; then   # tests to run after the measurements, so their compiles cannot disturb them
-  step "late tests/gpu files"
-  run_tests $LATE_TEST_FILES
+
+if [[ $STAGES == *" serve "* ]]; then
+  for m in "$SERVE_MODEL" qwen3-0.6b; do   # the bench stage writes them; a serve-only call writes them here
+    [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
+      "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
+  done
+  step "HTTP overhead (qwen3-0.6b shape, 256 tokens): in-process vs through kestrel serve"
+  in_tree cur 100 sh -c "python3 benchmarks/http_overhead.py --model '$WORK/qwen3-0.6b' --max-tokens 256 \
+--repeats 3 > '$RAW/http_overhead.json'"
+  if [ "${HTTP_THREAD:-0}" = 1 ]; then
+    in_tree cur 100 sh -c "python3 benchmarks/http_overhead.py --model '$WORK/qwen3-0.6b' --max-tokens 256 \
+--repeats 3 --serve-arg=--engine-in-thread > '$RAW/http_overhead_thread.json'"
+  fi
+  # The server comes from each tree; the launcher and the load generator from this one, so both are measured alike.
+  for tree in $TREES; do
+    dir=$(tree_dir "$tree")
+    step "kestrel launch + bench serve single-and-peak, $SERVE_MODEL shape ($tree tree)"
+    # shellcheck disable=SC2086
+    in_tree cur "$(within 330 0)" python3 -m kestrel.cli launch --name "kestrel-$tree" --port 8011 \
+      --ready-timeout 300 --stall-timeout 60 --then "python3 -m kestrel.cli bench serve --base-url {base_url} \
+--preset single-and-peak --label kestrel-$tree --no-progress --output $RAW/serve_$tree.json" \
+      -- env -C "$dir" PYTHONPATH="$dir${SITE:+:$SITE}" python3 -m kestrel.cli serve "$WORK/$SERVE_MODEL" \
+      --port 8011 ${SERVE_ARGS:-}
+    say "launch $tree exit $?"
+  done
 fi
-grep -E "Traceback|Error" "$LOG" | sort | uniq -c | head -20
+
+if [[ $STAGES == *" tests "* ]]; then
+  step "tests/gpu, one pytest per file"
+  # The skinny-matmul and kernels files compile ~100 and ~60 kernel variants: twice the time.
+  test_timeout() { case $1 in *test_gemv_gpu.py|*test_kernels_gpu.py) echo $(( ${GPU_TEST_TIMEOUT:-150} * 2 ));;
+    *) echo "${GPU_TEST_TIMEOUT:-150}";; esac; }
+  for f in ${GPU_TEST_FILES:-tests/gpu/test_*.py}; do
+    limit=$(within "$(test_timeout "$f")" 15)   # 15 s left for the summary
+    if [ "$limit" -lt 20 ]; then
+      say "$f skipped: the suite's time budget is spent"; printf '%s\tskip\t\n' "$f" >> "$OUT/tests.tsv"; continue
+    fi
+    start=$(wc -l < "$LOG")
+    # shellcheck disable=SC2086
+    in_tree cur "$limit" env KESTREL_GPU_REPORT="$RAW/gpu_parity.json" python3 -m pytest -q -rf \
+      --tb=line -p no:cacheprovider "$f" ${GPU_TEST_ARGS:-}
+    rc=$?
+    last=$(tail -n +"$((start + 1))" "$LOG" | grep -E "passed|failed|error|no tests ran" | tail -1)
+    say "$f exit $rc${last:+: $last}"; printf '%s\t%s\t%s\n' "$f" "$rc" "$last" >> "$OUT/tests.tsv"
+  done
+fi
+
+grep -E "Traceback|Error" "$LOG" | sort | uniq -c | sort -rn | head -10
 step "summary"
-python3 -m benchmarks.ab_summary "$OUT" 2>/dev/null | tee "$OUT/ab_summary.md"   # profile A/Bs vs their baselines
-cat "$OUT/serve_comparison.md" 2>/dev/null | head -30
-[ -f "$OUT/bench.json" ] && python3 -m benchmarks.report "$OUT/bench.json" --parity "$OUT/gpu_parity.json"
-# The device tool brings back at most 8 files from $OUT: past that, every JSON goes into one archive.
-if [ "$(find "$OUT" -maxdepth 1 -type f | wc -l)" -gt 8 ]; then
-  (cd "$OUT" && tar czf results.tar.gz --exclude results.tar.gz ./*.json ./*.md 2>/dev/null \
-    && find . -maxdepth 1 -name '*.json' -delete && echo "JSON packed into $OUT/results.tar.gz")
-fi
+python3 -m benchmarks.report --suite "$OUT" --json "$OUT/summary.json" > "$OUT/summary.md" 2>> "$LOG"
+# The device tool brings back at most 8 files: the raw JSON travels as one archive.
+if [ -n "$(ls -A "$RAW")" ]; then (cd "$OUT" && tar czf raw.tar.gz raw && rm -rf raw); else rmdir "$RAW"; fi
+echo; cat "$OUT/summary.md"

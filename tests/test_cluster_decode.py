@@ -132,7 +132,8 @@ def test_the_kernel_is_on_by_default_but_never_on_cpu(monkeypatch):
 @needs_nvrtc
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_the_timeline_build_only_adds_clock_reads(tensor_cores):
-    """STAMPS=1 (benchmarks/decode_timeline.py) builds without spills; the default build reads no clock."""
+    """STAMPS=1 (clock reads per segment, for timing the kernel) builds without spills; the default build reads no
+    clock."""
     kw = dict(index64=True, tensor_cores=tensor_cores)
     stamped = cluster_decode.compile_kernel(4, 128, 8, 16, extra={"STAMPS": 1}, **kw)
     assert stamped.spill_bytes() == 0 and stamped.ptx.count("%clock64") >= 8 and "%globaltimer" in stamped.ptx

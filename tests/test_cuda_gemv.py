@@ -50,8 +50,8 @@ def test_builds_for_hopper_without_spills_and_only_weights_before_the_wait(layer
 @needs_nvrtc
 @pytest.mark.parametrize("layer", list(LAYERS_8B))
 def test_the_stamped_build_fits_the_same_registers_and_the_production_build_reads_no_clock(layer):
-    # benchmarks/layer_timeline.py times the production kernels' schedule: the STAMPS build must not spill or lose
-    # its two blocks an SM, and the build the engine runs must carry none of it
+    # the STAMPS build times the production kernels' schedule: it must not spill or lose its two blocks an SM,
+    # and the build the engine runs must carry none of it
     n, k, norm, silu = LAYERS_8B[layer]
     config = cuda_gemv.default_config(n, k, silu)
     rope = cuda_gemv.RopeShape(128, 32, 8) if layer == "qkv" else None
@@ -99,8 +99,7 @@ def test_the_shared_memory_carveout_switch_is_a_percent_or_auto(monkeypatch):
 @needs_nvrtc
 def test_the_long_row_default_fits_one_wave_on_the_h200():
     # down on one row a warp is 512 blocks: one wave only at 4 blocks an SM (132 x 4 = 528), which its production
-    # build's registers allow and its STAMPS build's do not (benchmarks/layer_timeline.py flags that)
-    from benchmarks.layer_timeline import blocks_per_sm
+    # build's registers allow and its STAMPS build's do not
     config = cuda_gemv.default_config(4096, 14336)
     blocks = 4096 // (config.rows * config.warps)
     built = cuda_gemv.compile_kernel(14336, config, 1, False, False, stage=cuda_gemv.Staging(tma_x=True))
@@ -108,6 +107,13 @@ def test_the_long_row_default_fits_one_wave_on_the_h200():
     stamped = cuda_gemv.compile_kernel(14336, config, 1, False, False, stamps=True,
                                        stage=cuda_gemv.Staging(tma_x=True))
     assert blocks_per_sm(stamped.registers(), 32 * config.warps, stamped.shared_bytes()) * 132 < blocks
+
+
+def blocks_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
+    """Resident blocks of one kernel on an H100/H200 SM: 64K registers (8 a thread at a time, rounded up),
+    228 KB of shared memory (1 KB a block reserved), at most 2,048 threads."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * threads)
+    return min(by_registers, 233472 // (shared_bytes + 1024), 2048 // threads)
 
 
 def test_default_configs_fill_whole_waves_on_the_h200():

@@ -98,43 +98,6 @@ def test_one_pass_norm_skinny_matmul_builds_for_sm90(block_m):
     assert one_before > two_before and one_after < two_after
 
 
-def test_boundary_bench_kernels_build_for_sm90():
-    """benchmarks/boundary_bench.py: the phase kernel issues its weight loads, then waits on PDL once; the barrier
-    kernel's grid barrier is a release add after a CTA barrier and an acquire spin, with one phase's weight loads
-    issued before the spin (DEPTH 1) or two (DEPTH 2); the prefetcher spins on the chain's progress and asks L2."""
-    from benchmarks.boundary_bench import _barrier_kernel, _l2_prefetch_kernel, _phase_kernel
-    for publish in (False, True):
-        phase = compile_for_sm90(_phase_kernel, dict(TILE=4096, PUBLISH=publish, USE_PDL=True),
-                                 {"buf_ptr": "*fp32", "progress_ptr": "*i32"})
-        assert _signal_order(phase) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
-        # the weight loads come before the wait: they overlap the kernel before
-        assert phase.index("ld.global") < phase.index("griddepcontrol.wait")
-    for depth in (1, 2):
-        barrier = compile_for_sm90(_barrier_kernel, dict(PHASES=168, TILE=4096, DEPTH=depth),
-                                   {"buf_ptr": "*fp32", "counter_ptr": "*i32"})
-        # LLVM turns the spin's idempotent atomic add into an acquire load, issued by one thread
-        assert "ld.global.gpu.acquire" in barrier and "atom.global.gpu.release.add" in barrier
-        assert "bar.sync" in barrier and "ld.global.cg" in barrier   # CTA barrier; the neighbour's value from L2
-        # DEPTH 2 reads phase 0's weights before the phase loop, so each iteration's loads are a phase ahead
-        weights_before_loop = barrier.index("ld.global.b16") < barrier.index("Loop Header")
-        assert weights_before_loop == (depth == 2)
-    prefetch = compile_for_sm90(_l2_prefetch_kernel, dict(PHASES=168, LEAD=2, TILE=4096, PROGRAMS=32, LINES=512,
-                                                                   SPIN_BUDGET=20_000),
-                                {"w_ptr": "*bf16", "progress_ptr": "*i32"})
-    assert "prefetch.global.L2" in prefetch and "ld.volatile.global" in prefetch
-
-
-def test_boundary_bench_matvec_kernel_builds_for_sm90():
-    """The matvec-epilogue phase: weights read before the PDL wait, x after it, each output stored REPS times."""
-    from benchmarks.boundary_bench import _matvec_phase_kernel
-    for mode, reps in ((0, 1), (1, 1), (1, 8)):
-        ptx = compile_for_sm90(_matvec_phase_kernel, dict(ROWS=4, K=1024, MODE=mode, REPS=reps, USE_PDL=True),
-                               {"x_ptr": "*bf16", "w_ptr": "*bf16"})
-        assert _signal_order(ptx) == ["griddepcontrol.wait;", "griddepcontrol.launch_dependents;"]
-        assert ptx.index("ld.global") < ptx.index("griddepcontrol.wait")
-        assert ptx.count("st.global") >= reps
-
-
 @pytest.mark.parametrize("prefetch", [True, False])
 def test_fused_decode_kernel_builds_for_sm90(prefetch):
     """attention/fused_decode.py (KESTREL_FUSED_DECODE_PROLOGUE=1, the A/B): q and the newest k/v made in registers
