@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
-from kestrel.engine.output import TextAssembler
+from kestrel.frontend.output import TextAssembler
 from kestrel.engine.request import TokenLogprob
 from kestrel.errors import KestrelError
 from kestrel.progress import Progress

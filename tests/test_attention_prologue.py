@@ -124,7 +124,7 @@ def test_kernel_with_no_tokens_returns_an_empty_q():
 @interpreted_only
 def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
     from kestrel.attention.triton_backend import TritonAttentionBackend
-    from kestrel.engine.batch import build_forward_batch
+    from kestrel.forward.batch import build_forward_batch
     from kestrel.layers import fused_ops
     from kestrel.layers.attention_prologue import qk_norm_rope_store
     gen = torch.Generator().manual_seed(11)
@@ -159,9 +159,7 @@ def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
 @pytest.mark.skipif(INTERPRETED, reason="runs in the normal process")
 def test_qwen3_with_reference_prologue_gives_the_unfused_greedy_tokens(checkpoint_factory):
     from kestrel import LLM, SamplingParams
-    from kestrel.engine.fast_path import enable_fused_attn_prologue
     from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
-    from kestrel.models.llama import Attention
     path = str(checkpoint_factory("qwen3"))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
@@ -169,31 +167,33 @@ def test_qwen3_with_reference_prologue_gives_the_unfused_greedy_tokens(checkpoin
     plain = LLM(model=path, **kw).generate(prompts, params)
     llm = LLM(model=path, **kw)
     runner = llm.engine.runner
-    assert enable_fused_attn_prologue(runner.model, runner.backend, qk_norm_rope_store_ref)
+    assert runner.backend.supports_prewritten_kv()
     calls = []
-    for module in runner.model.modules():
-        if isinstance(module, Attention):
-            assert module.q_norm is not None and module.prologue is qk_norm_rope_store_ref
-            module.prologue = lambda *a, _f=qk_norm_rope_store_ref: calls.append(1) or _f(*a)
+    for layer in runner.model.layers:
+        assert layer.self_attn.q_norm is not None and layer.self_attn.prologue is None
+        layer.self_attn.prologue = lambda *a, _f=qk_norm_rope_store_ref: calls.append(1) or _f(*a)
     fused = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
     assert len(calls) > 2 * 10     # every layer of every step went through the prologue
 
 
 @pytest.mark.skipif(INTERPRETED, reason="runs in the normal process")
-def test_prologue_is_cuda_only_and_refused_by_backends_that_write_kv_themselves(checkpoint_factory,
-                                                                                     monkeypatch):
-    from kestrel import LLM
-    from kestrel.engine.fast_path import enable_fused_attn_prologue
-    from kestrel.models.llama import Attention
-    monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)
-    llm = LLM(model=str(checkpoint_factory("qwen3")), device="cpu")
-    model = llm.engine.runner.model
-    assert all(m.prologue is None for m in model.modules() if isinstance(m, Attention))
+def test_prologue_is_cuda_only_and_refused_by_backends_that_write_kv_themselves():
+    from kestrel.envs import DevSwitches
+    from kestrel.layers.ops import TORCH_OPS, choose_layer_ops
 
     class WritesItsOwnKV:   # e.g. the flashinfer backend: no supports_prewritten_kv
+        name = "writes-kv"
+
         def supports_prewritten_kv(self) -> bool:
             return False
 
-    assert not enable_fused_attn_prologue(model, WritesItsOwnKV(), lambda *a: None)
-    assert all(m.prologue is None for m in model.modules() if isinstance(m, Attention))
+    class AcceptsPrewrittenKV(WritesItsOwnKV):
+        def supports_prewritten_kv(self) -> bool:
+            return True
+
+    assert choose_layer_ops(torch.device("cpu"), AcceptsPrewrittenKV(), DevSwitches()) is TORCH_OPS
+    cuda = torch.device("cuda")
+    assert choose_layer_ops(cuda, AcceptsPrewrittenKV(), DevSwitches(fused_ops=False)) is TORCH_OPS
+    assert choose_layer_ops(cuda, WritesItsOwnKV(), DevSwitches()).attn_prologue is None
+    assert choose_layer_ops(cuda, AcceptsPrewrittenKV(), DevSwitches()).attn_prologue is not None

@@ -23,7 +23,7 @@ def checkpoint(checkpoint_factory):
 
 
 def test_the_server_side_never_imports_torch():
-    code = ("import sys, kestrel.server.app, kestrel.server.cli, kestrel.engine.core_host; "
+    code = ("import sys, kestrel.server.app, kestrel.server.cli, kestrel.frontend.engine_process; "
             "assert 'torch' not in sys.modules, 'the server process must not import torch (CUDA lives in the engine)'")
     subprocess.run([sys.executable, "-c", code], check=True, timeout=120)
 

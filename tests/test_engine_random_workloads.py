@@ -34,11 +34,11 @@ def test_random_workload_matches_requests_run_alone(checkpoint_factory, seed, bl
     tight = LLM(model=path, device="cpu", block_size=block_size, num_gpu_blocks_override=num_blocks,
                 max_num_batched_tokens=budget, max_num_seqs=6, disable_prefix_cache=not prefix_cache)
     if graph_paths:   # the CUDA-graph paths' bookkeeping, their bodies run eagerly on the CPU
-        from kestrel.engine.cuda_graphs import CudaGraphRunner
-        from kestrel.engine.prefill_graphs import PrefillGraphRunner
+        from kestrel.forward.decode_graphs import DecodeGraphs
+        from kestrel.forward.prefill_graphs import PrefillGraphs
         runner = tight.engine.runner
-        runner.graphs = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=64 // block_size * 2, max_rows=6)
-        runner.prefill_graphs = PrefillGraphRunner(runner, max_blocks_per_seq=64 // block_size * 2, max_tokens=budget)
+        runner.graphs = DecodeGraphs(runner, max_bs=4, max_blocks_per_seq=64 // block_size * 2, max_rows=6)
+        runner.prefill_graphs = PrefillGraphs(runner, max_blocks_per_seq=64 // block_size * 2, max_tokens=budget)
     params = [SamplingParams(max_tokens=m, temperature=0, ignore_eos=True) for _, m in requests]
     got = tight.generate([p for p, _ in requests], params)
     assert [o.outputs[0].token_ids for o in got] == expected

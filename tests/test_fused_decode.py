@@ -167,7 +167,7 @@ def test_one_launch_reuses_static_scratch_as_lengths_change_like_a_graph_replay(
 def test_triton_backend_decodes_from_qkv_only_with_the_flag(monkeypatch):
     from kestrel.attention.torch_ref import TorchAttentionBackend
     from kestrel.attention.triton_backend import TritonAttentionBackend
-    from kestrel.engine.batch import build_forward_batch
+    from kestrel.forward.batch import build_forward_batch
     monkeypatch.delenv("KESTREL_FUSED_DECODE_PROLOGUE", raising=False)
     backend = TritonAttentionBackend()
     assert not backend.decodes_from_qkv() and not TorchAttentionBackend().decodes_from_qkv()

@@ -3,8 +3,8 @@ CPU by executing the graph body eagerly: it must produce exactly the eager engin
 from __future__ import annotations
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner, batch_size_buckets
-from kestrel.engine.prefill_graphs import PrefillGraphRunner
+from kestrel.forward.decode_graphs import DecodeGraphs, batch_size_buckets
+from kestrel.forward.prefill_graphs import PrefillGraphs
 
 PROMPTS = ["import os", "def f(x):\n    return x", "class A:\n    pass\n" * 3, "x = 1\n" * 7, "print(1)"] * 3
 
@@ -12,20 +12,18 @@ PROMPTS = ["import os", "def f(x):\n    return x", "class A:\n    pass\n" * 3, "
 def test_bucket_ladder():
     assert batch_size_buckets(256)[:6] == [1, 2, 4, 8, 16, 32] and batch_size_buckets(256)[-1] == 256
     assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
-    assert batch_size_buckets(256, min_bs=8)[:3] == [8, 16, 32] and batch_size_buckets(4, min_bs=8) == [4]
 
 
-def test_lone_sequences_pad_up_to_the_smallest_captured_bucket(checkpoint_factory, monkeypatch):
-    """KESTREL_GRAPH_MIN_BS=8: batches of 1-3 replay the 8-row graph body, padding included, with the eager
-    engine's tokens."""
-    monkeypatch.setenv("KESTREL_GRAPH_MIN_BS", "8")
+def test_lone_sequences_pad_up_to_the_smallest_captured_bucket(checkpoint_factory):
+    """With 8 rows the smallest bucket, batches of 1-3 replay the 8-row graph body, padding included, with the
+    eager engine's tokens."""
     path = str(checkpoint_factory("llama"))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
     eager = LLM(model=path, device="cpu").generate(PROMPTS[:3], params)
     llm = LLM(model=path, device="cpu")
     runner = llm.engine.runner
-    runner.graphs = CudaGraphRunner(runner, max_bs=16, max_blocks_per_seq=32, max_rows=16)
-    assert runner.graphs.buckets == [8, 16]
+    runner.graphs = DecodeGraphs(runner, max_bs=16, max_blocks_per_seq=32, max_rows=16)
+    runner.graphs.buckets = [8, 16]
     graphed = [llm.generate(p, params)[0] for p in PROMPTS[:3]]   # one at a time: batch 1 in the 8-row body
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
 
@@ -39,10 +37,10 @@ def test_graph_decode_path_matches_eager_under_preemption(checkpoint_factory):
     llm = LLM(model=path, **kw)
     runner = llm.engine.runner
     # 4 graph rows per batch at most and only 8 persistent rows: rows are reclaimed and rewritten.
-    runner.graphs = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=64, max_rows=8)
+    runner.graphs = DecodeGraphs(runner, max_bs=4, max_blocks_per_seq=64, max_rows=8)
     calls = []
     original = runner.graphs.launch
-    runner.graphs.launch = lambda seqs, prev=None: calls.append(len(seqs)) or original(seqs, prev)
+    runner.graphs.launch = lambda chunks: calls.append(len(chunks)) or original(chunks)
     graphed = llm.generate(PROMPTS, params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert llm.engine.scheduler.num_preemptions > 0 and calls and max(calls) <= 4
@@ -53,7 +51,7 @@ def test_graph_path_sampling_and_logprobs_still_work(checkpoint_factory):
     runner = llm.engine.runner
     params = SamplingParams(max_tokens=6, temperature=0.8, seed=5, logprobs=2, ignore_eos=True)
     eager = llm.generate(PROMPTS[:3], params)
-    runner.graphs = CudaGraphRunner(runner, max_bs=8, max_blocks_per_seq=32, max_rows=16)
+    runner.graphs = DecodeGraphs(runner, max_bs=8, max_blocks_per_seq=32, max_rows=16)
     graphed = llm.generate(PROMPTS[:3], params)
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert all(len(o.outputs[0].logprobs) == 6 for o in graphed)
@@ -66,12 +64,12 @@ def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
     eager = [LLM(model=path, **kw).generate(p, params)[0] for p in PROMPTS[:5]]
     llm = LLM(model=path, **kw)
     runner = llm.engine.runner
-    runner.prefill_graphs = PrefillGraphRunner(runner, max_blocks_per_seq=64, max_tokens=32)
+    runner.prefill_graphs = PrefillGraphs(runner, max_blocks_per_seq=64, max_tokens=32)
     assert runner.prefill_graphs.buckets == [16, 32]
     runner.prefill_graphs.capture(dry_run=True)   # capture's own inputs must be valid for every bucket
     calls = []
     original = runner.prefill_graphs.run
-    runner.prefill_graphs.run = lambda seq, start, n: calls.append(n) or original(seq, start, n)
+    runner.prefill_graphs.run = lambda chunk: calls.append(len(chunk.tokens)) or original(chunk)
     graphed = [llm.generate(p, params)[0] for p in PROMPTS[:5]]   # one at a time: the lone-prompt path
     assert [o.outputs[0].token_ids for o in graphed] == [o.outputs[0].token_ids for o in eager]
     assert len(calls) >= 4
@@ -80,18 +78,18 @@ def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
 def test_prefill_buckets_fit_the_block_table(checkpoint_factory):
     llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", block_size=4, max_model_len=40)
     runner = llm.engine.runner
-    graphs = PrefillGraphRunner(runner, max_blocks_per_seq=10, max_tokens=8192)
+    graphs = PrefillGraphs(runner, max_blocks_per_seq=10, max_tokens=8192)
     assert graphs.buckets == [16, 32]             # 40-token context: 64+ token buckets cannot exist
     graphs.capture(dry_run=True)
 
 
-def check_verify_step(llm, graphs: CudaGraphRunner, prompts: list[str], truth: list[list[int]], atol: float) -> None:
+def check_verify_step(llm, graphs: DecodeGraphs, prompts: list[str], truth: list[list[int]], atol: float) -> None:
     """Prefill the prompts (a greedy SamplingParams of >= 4 tokens), then run one verify step through `graphs`
     (Q = 3: each sequence's first output token plus the next two true tokens as drafts). The argmax at every query
     must be the next true token and the logits those of a plain forward of the same tokens."""
     import torch
 
-    from kestrel.engine.batch import build_forward_batch
+    from kestrel.forward.batch import SequenceChunk, build_forward_batch
     engine, runner, q = llm.engine, llm.engine.runner, graphs.query_len
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seqs = []
@@ -108,7 +106,9 @@ def check_verify_step(llm, graphs: CudaGraphRunner, prompts: list[str], truth: l
         need = -(-(seq.num_tokens - 1 + q) // engine.pool.block_size) - len(seq.block_ids)
         seq.block_ids.extend(engine.pool.allocate(max(need, 0)))
     queries = [t[:q] for t in truth]
-    logits, tokens = graphs.launch_queries(seqs, queries)
+    out = graphs.launch([SequenceChunk(seq.seq_id, query, seq.num_tokens - 1, seq.block_ids, seq.num_preemptions)
+                         for seq, query in zip(seqs, queries)])
+    logits, tokens = out.logits, out.tokens
     assert tokens.view(len(seqs), q).tolist() == [t[1:q + 1] for t in truth]
     batch = build_forward_batch(queries, [seq.num_tokens - 1 for seq in seqs], [seq.block_ids for seq in seqs],
                                 engine.pool.block_size)
@@ -125,5 +125,5 @@ def test_fixed_query_length_runner_verifies_drafts_like_speculative_decoding(che
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     truth = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
     llm = LLM(model=path, **kw)
-    graphs = CudaGraphRunner(llm.engine.runner, max_bs=4, max_blocks_per_seq=64, max_rows=8, query_len=3)
+    graphs = DecodeGraphs(llm.engine.runner, max_bs=4, max_blocks_per_seq=64, max_rows=8, query_len=3)
     check_verify_step(llm, graphs, prompts, truth, atol=1e-5)

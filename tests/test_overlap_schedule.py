@@ -6,20 +6,20 @@ from __future__ import annotations
 import random
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner
 from kestrel.engine.overlap import PLACEHOLDER
+from kestrel.forward.decode_graphs import DecodeGraphs
 
 
 def _llm(path: str, overlap: bool, **kw) -> tuple[LLM, list[int]]:
     llm = LLM(model=path, device="cpu", disable_overlap_schedule=not overlap, **kw)
     runner = llm.engine.runner
-    runner.graphs = CudaGraphRunner(runner, max_bs=8, max_blocks_per_seq=64, max_rows=12)
+    runner.graphs = DecodeGraphs(runner, max_bs=8, max_blocks_per_seq=64, max_rows=12)
     overlapped = []   # rows of each launch that fed from the previous launch's device tokens
     original = runner.graphs.launch
 
-    def launch(seqs, prev_rows=None):
-        overlapped.append(sum(1 for s in seqs if s.output_token_ids and s.output_token_ids[-1] == PLACEHOLDER))
-        return original(seqs, prev_rows)
+    def launch(chunks):
+        overlapped.append(sum(1 for c in chunks if c.tokens[-1] < 0))   # fed by the previous launch's tokens
+        return original(chunks)
     runner.graphs.launch = launch
     return llm, overlapped
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.engine.sampler import apply_top_k_top_p_min_p, make_sampling_batch, sample
+from kestrel.forward.sampler import apply_top_k_top_p_min_p, make_sampling_batch, sample
 
 
 def batch(rows: int, temperature=1.0, top_k=0, top_p=1.0, min_p=0.0, generators=None):

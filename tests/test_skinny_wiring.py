@@ -1,6 +1,6 @@
-"""The small-batch layer path (layers/skinny.py) wired into the model: with torch stand-ins for the fused kernels
+"""The decode-sized linear method (layers/skinny.py) inside the model: with torch stand-ins for the fused kernels
 (the kernels themselves are held to these compositions in tests/test_gemv.py), every choice of Triton-or-cuBLAS
-per weight shape gives exactly the unfused model's logits and greedy tokens."""
+per weight shape gives exactly the plain method's logits and greedy tokens."""
 from __future__ import annotations
 
 import pytest
@@ -10,10 +10,9 @@ import torch.nn.functional as F
 from kestrel import LLM, SamplingParams
 from kestrel.layers.norm import rms_norm_torch
 from kestrel.layers.cuda_gemv import add_rms_norm_gemv_rope_ref, add_rms_norm_gemv_silu_ref
-from kestrel.layers.skinny import CudaSkinny, SkinnyMatmuls
-from kestrel.engine.fast_path import enable_fused_attn_prologue
+from kestrel.layers.linear import LinearBase
+from kestrel.layers.skinny import CudaSkinny, SkinnyLinearMethod, cuda_skinny, skinny_policy
 from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
-from kestrel.models.llama import DecoderLayer
 
 
 def _add_rms_norm_linear(x, residual, norm_weight, eps, w, bias=None):
@@ -50,15 +49,18 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
                       use=lambda x, w, norm: True,
                       add_rms_norm_gemv_rope=rope if choice == "cuda_rope" else None) \
         if choice.startswith("cuda") else None
-    skinny = SkinnyMatmuls(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
-                           add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear, use_triton=use,
-                           cuda=cuda)
+    skinny = SkinnyLinearMethod(max_rows=4, gemv=lambda x, w, b=None: calls.append("gemv") or F.linear(x, w, b),
+                                add_rms_norm_gemv=_add_rms_norm_linear, silu_mul_gemv=_silu_mul_linear,
+                                use_triton=use, cuda=cuda)
     llm = LLM(model=path, device="cpu")
+    model = llm.engine.runner.model
     if choice == "cuda_rope":
-        enable_fused_attn_prologue(llm.engine.runner.model, llm.engine.runner.backend, qk_norm_rope_store_ref)
-    for module in llm.engine.runner.model.modules():
-        if isinstance(module, DecoderLayer):
-            module.skinny = skinny
+        assert llm.engine.runner.backend.supports_prewritten_kv()
+        for layer in model.layers:
+            layer.self_attn.prologue = qk_norm_rope_store_ref
+    for module in model.modules():
+        if isinstance(module, LinearBase):
+            module.method = skinny
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]   # decode steps: 3 rows, skinny
     assert got == expected
     torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
@@ -67,27 +69,20 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
     assert set(calls) == {"all": {"gemv"}, "cuda": {"cuda"}, "cuda_rope": folds}.get(choice, set())
 
 
-@pytest.mark.parametrize("cap_mb,triton_for_8b_qkv", [(None, False), ("64", True)])
-def test_skinny_weight_cap_follows_the_env(monkeypatch, cap_mb, triton_for_8b_qkv):
-    """The measured policy keeps weights above 16 MB on cuBLAS; KESTREL_SKINNY_MAX_MB moves the cap (an A/B knob):
-    at 64 the Llama-3.1-8B qkv (6144 x 4096, 48 MB) takes the Triton path at one row, gate_up (224 MB) does not."""
-    from kestrel.engine.fast_path import skinny_matmuls
-    if cap_mb is None:
-        monkeypatch.delenv("KESTREL_SKINNY_MAX_MB", raising=False)
-    else:
-        monkeypatch.setenv("KESTREL_SKINNY_MAX_MB", cap_mb)
-    policy = skinny_matmuls("auto").use_triton
-    assert policy(1, 6144, 4096) is triton_for_8b_qkv
-    assert policy(1, 28672, 4096) is False
-    assert policy(1, 4096, 1024) is True   # Qwen3-0.6B qkv (8 MB): Triton either way
+def test_skinny_policy_keeps_large_weights_on_cublas():
+    """The measured policy: weights above 16 MB leave Triton (the Llama-3.1-8B's qkv, 48 MB, and gate_up), the
+    Qwen3-0.6B's qkv (8 MB) takes it at one row; at 4 rows only shapes with out < in (split-K) do."""
+    assert skinny_policy(1, 6144, 4096) is False
+    assert skinny_policy(1, 28672, 4096) is False
+    assert skinny_policy(1, 4096, 1024) is True
+    assert skinny_policy(4, 1024, 2048) is True and skinny_policy(4, 4096, 1024) is False
 
 
-def test_cuda_skinny_policy(monkeypatch):
+def test_cuda_skinny_policy():
     """KESTREL_CUDA_GEMV: 0 builds nothing; auto (the default) / all take weights above the Triton cap / any
     weight, never on CPU (the kernels need a Hopper GPU); other values are refused."""
-    from kestrel.engine.fast_path import cuda_skinny
-    assert cuda_skinny("0", 16 << 20) is None
+    assert cuda_skinny("0") is None
     with pytest.raises(ValueError, match="KESTREL_CUDA_GEMV"):
-        cuda_skinny("yes", 16 << 20)
+        cuda_skinny("yes")
     x, w = torch.zeros(1, 4096, dtype=torch.bfloat16), torch.zeros(6144, 4096, dtype=torch.bfloat16)
-    assert cuda_skinny("all", 16 << 20).use(x, w, True) is False
+    assert cuda_skinny("all").use(x, w, True) is False

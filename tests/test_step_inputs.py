@@ -10,7 +10,7 @@ import random
 import pytest
 import torch
 
-from kestrel.engine.cuda_graphs import packed_layout, torch_step_inputs
+from kestrel.forward.decode_graphs import packed_layout, torch_step_inputs
 from tests.triton_interpreter import INTERPRETED, interpreted_only, run_file_under_interpreter
 
 interpreted = interpreted_only("test_step_inputs_under_triton_interpreter")
@@ -23,7 +23,7 @@ def test_step_inputs_under_triton_interpreter():
 
 def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int, width: int, block_size: int,
                  vocab: int, max_updates: int) -> torch.Tensor:
-    """A packed buffer as CudaGraphRunner._launch_rows fills it: bs real rows, the rest of the bucket padding.
+    """A packed buffer as DecodeGraphs._launch_rows fills it: bs real rows, the rest of the bucket padding.
     Padding updates target the dummy row, whose contents nobody reads for a real row; the kernel writes them only
     when a padding row is in the launch, torch's index_put always, so the tests compare the other rows."""
     layout, size = packed_layout(max_bs, q, max_updates)

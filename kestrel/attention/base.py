@@ -20,7 +20,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

@@ -12,7 +12,7 @@ import torch
 
 from kestrel.attention import triton_kernels
 from kestrel.attention.base import AttentionBackend
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 from kestrel.errors import KestrelError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 
 
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,

@@ -5,7 +5,7 @@ import torch
 
 from kestrel.attention import cluster_decode, fused_decode, triton_kernels
 from kestrel.attention.base import AttentionBackend
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):

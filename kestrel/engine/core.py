@@ -119,15 +119,15 @@ def _apply(engine: Engine, cmd: tuple, live: _LiveRequests, send: Send) -> None:
 
 
 def _fail_next_forward(engine: Engine, message: str) -> None:
-    """Test hook: the runner's next forward pass raises, as a device fault would (the real runner, not a mock)."""
+    """Test hook: the runner's next step raises, as a device fault would (the real runner, not a mock)."""
     runner = engine.runner
-    real_forward = runner.forward
+    real_execute = runner.execute
 
-    def failing_forward(batch):
-        runner.forward = real_forward
+    def failing_execute(chunks):
+        runner.execute = real_execute
         raise RuntimeError(message)
 
-    runner.forward = failing_forward
+    runner.execute = failing_execute
 
 
 def _safe_stats(engine: Engine) -> tuple | None:

@@ -14,14 +14,14 @@ import torch
 from kestrel.cache.block_pool import BlockPool
 from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import build_forward_batch
+from kestrel.forward.batch import SequenceChunk, build_forward_batch, previous_token
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
 from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, overlap_eligible,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
-from kestrel.engine.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
+from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
-from kestrel.engine.setup import build_runner
+from kestrel.engine.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
@@ -114,11 +114,10 @@ class Engine:
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates + self._resolve_inflight()
-        graphs = self.runner.graphs
-        pure_decode = graphs is not None and plan.num_tokens == len(plan.scheduled) \
-            and graphs.can_run(len(plan.scheduled)) and all(s.completes_prompt for s in plan.scheduled)
+        graph_decode = plan.num_tokens == len(plan.scheduled) and all(s.completes_prompt for s in plan.scheduled) \
+            and self.runner.decodes_in_graph(len(plan.scheduled))
         # continuing: _can_continue_overlap already checked these rows are eligible
-        if pure_decode and self._overlap_enabled() \
+        if graph_decode and self._overlap_enabled() \
                 and (continuing or all(self._overlap_ok(s.seq) for s in plan.scheduled)):
             return updates + self._launch_overlapped(plan.scheduled)
         if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
@@ -126,34 +125,26 @@ class Engine:
             plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
             if not plan.scheduled:
                 return updates
-        if pure_decode:
-            # Pure decode step: one graph replay; the graph also computed each row's argmax.
-            out = graphs.run([s.seq for s in plan.scheduled])
-            self._mark_computed(plan.scheduled)
-            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
-        prefill_graphs = self.runner.prefill_graphs
-        if prefill_graphs is not None and len(plan.scheduled) == 1 \
-                and prefill_graphs.can_run(plan.num_tokens, plan.scheduled[0].start):
-            # A lone prompt chunk (the TTFT path): replay the graph of the next token-count bucket.
-            s = plan.scheduled[0]
-            out = prefill_graphs.run(s.seq, s.start, s.num_tokens)
-            self._mark_computed(plan.scheduled)
-            if not s.completes_prompt:
-                return updates
-            return updates + self._sample_and_update(plan.scheduled, out.logits, out.greedy_tokens)
-        sampling = [s for s in plan.scheduled if s.completes_prompt]
-        batch = build_forward_batch(
-            token_ids=[s.seq.token_ids()[s.start:s.start + s.num_tokens] for s in plan.scheduled],
-            start_positions=[s.start for s in plan.scheduled],
-            block_tables=[s.seq.block_ids for s in plan.scheduled],
-            block_size=self.config.block_size,
-            want_logits=[s.completes_prompt for s in plan.scheduled],
-        )
-        output = self.runner.forward(batch)
+        output = self.runner.execute(self._chunks(plan.scheduled))
         self._mark_computed(plan.scheduled)
-        if sampling:
-            updates += self._sample_and_update(sampling, output.logits)
+        sampling = [s for s in plan.scheduled if s.completes_prompt]
+        if sampling:   # the output's logits rows are exactly these (graph roads: every row completes its prompt)
+            updates += self._sample_and_update(sampling, output.logits, output.tokens)
         return updates
+
+    @staticmethod
+    def _chunks(scheduled: list[ScheduledSeq], previous: InflightDecode | None = None) -> list[SequenceChunk]:
+        """The step's chunks for the runner; a placeholder token (overlap) becomes a reference to the previous
+        launch's output row."""
+        chunks = []
+        for s in scheduled:
+            seq = s.seq
+            tokens = seq.tokens_at(s.start, s.num_tokens)
+            if previous is not None and tokens[-1] == PLACEHOLDER:
+                tokens = [previous_token(previous.rows[seq.seq_id])]
+            chunks.append(SequenceChunk(seq.seq_id, tokens, s.start, seq.block_ids, seq.num_preemptions,
+                                        s.completes_prompt))
+        return chunks
 
     # ---- the overlap schedule (engine/overlap.py) ----------------------------------------------------------
     def _overlap_enabled(self) -> bool:
@@ -168,7 +159,7 @@ class Engine:
         into and nothing waiting: then it can be launched before `inflight` is read back."""
         running = self.scheduler.running
         if (not self._overlap_enabled() or self.scheduler.waiting or len(running) != len(inflight.seqs)
-                or not self.runner.graphs.can_run(len(running))
+                or not self.runner.decodes_in_graph(len(running))
                 or len(running) > self.config.max_num_batched_tokens):
             return False
         blocks = 0
@@ -184,12 +175,12 @@ class Engine:
         GPU finishes while this one is queued behind it)."""
         seqs = [r.seq for r in rows]
         previous = self._inflight
-        graphs = self.runner.graphs
-        logits, tokens = graphs.launch(seqs, previous.rows if previous is not None else None)
+        output = self.runner.execute(self._chunks(rows, previous))
+        tokens = output.tokens
         if not all(seq.params.greedy for seq in seqs):
             # Sampled rows: draw on the device and put the draws where the next launch and the read-back look.
-            tokens.copy_(sample(logits, self._overlap_sampling_batch(seqs)))
-        host_tokens, done = graphs.read_back_async(tokens)
+            tokens.copy_(sample(output.logits, self._overlap_sampling_batch(seqs)))
+        host_tokens, done = self.runner.graphs.read_back_async(tokens)
         self._mark_computed(rows)
         positions = []
         for seq in seqs:
@@ -249,14 +240,14 @@ class Engine:
                 self.scheduler.cache_prompt(s.seq)
 
     def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor,
-                           greedy_tokens: list[int] | None = None) -> list[SampleUpdate]:
+                           greedy_tokens: torch.Tensor | None = None) -> list[SampleUpdate]:
         seqs = [r.seq for r in rows]
         params = [s.params for s in seqs]
         wants_logprobs = any(p.logprobs is not None for p in params)
         masked = self._mask_stops_before_min_tokens(seqs, logits)
         logprob_rows = None
         if greedy_tokens is not None and not masked and not wants_logprobs and all(p.greedy for p in params):
-            token_list = greedy_tokens        # computed inside the CUDA graph: no more device work
+            token_list = greedy_tokens.tolist()   # computed inside the CUDA graph: no more device work
         else:
             max_logprobs = max((p.logprobs or 0) for p in params)
             sb = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],

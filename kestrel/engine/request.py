@@ -53,6 +53,15 @@ class Sequence:
     def token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids
 
+    def tokens_at(self, start: int, count: int) -> list[int]:
+        """token_ids()[start:start + count] without copying the whole sequence (a decode step reads one)."""
+        prompt = self.prompt_token_ids
+        if start >= len(prompt):
+            return self.output_token_ids[start - len(prompt):start - len(prompt) + count]
+        if start + count <= len(prompt):
+            return prompt[start:start + count]
+        return prompt[start:] + self.output_token_ids[:start + count - len(prompt)]
+
     @property
     def is_finished(self) -> bool:
         return self.status is SeqStatus.FINISHED

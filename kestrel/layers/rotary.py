@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import nn
@@ -23,8 +23,16 @@ def llama3_inv_freq(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Te
     return torch.where(medium, smoothed, scaled)
 
 
+def apply_rotary_torch(q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor]:
+    """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
+    cos, sin = cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
+    return _rotate(q, cos, sin), _rotate(k, cos, sin)
+
+
 class RotaryEmbedding(nn.Module):
-    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(self, head_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
+                 op: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rotary_torch) -> None:
         super().__init__()
         inv_freq = 1.0 / (base ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
         if scaling is not None:
@@ -33,14 +41,11 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                      # [max_pos, head_dim / 2]
         # cos_sin_cache: [max_pos, head_dim]: cos in the first half, sin in the second
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.fused = None   # set by the runner on CUDA: a Triton apply_rotary(q, k, positions, cache)
+        self.op = op   # apply_rotary_torch, or its fused twin (layers/fused_ops.py) on CUDA: layers/ops.py
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""
-        if self.fused is not None:
-            return self.fused(q, k, positions, self.cos_sin_cache)
-        cos, sin = self.cos_sin_cache[positions].to(q.dtype).unsqueeze(1).chunk(2, dim=-1)
-        return _rotate(q, cos, sin), _rotate(k, cos, sin)
+        return self.op(q, k, positions, self.cos_sin_cache)
 
 
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

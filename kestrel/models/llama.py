@@ -1,48 +1,55 @@
 """The Llama family (Llama, Llama-3, Mistral, Qwen2, Qwen3): one model, differences are config flags.
 
+The file is the math and the weight names; which kernels run is the LayerOps the model is built with
+(layers/ops.py), handed to every block.
+
     Qwen2: bias on q/k/v.   Qwen3: RMSNorm on each head of q and k before rotary.   Llama-3: scaled rotary.
 """
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.engine.batch import ForwardBatch
+from kestrel.forward.batch import ForwardBatch
 from kestrel.layers.embedding import LMHead, VocabEmbedding
-from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RopeInputs, RowParallelLinear
 from kestrel.layers.norm import RMSNorm
+from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding
-from kestrel.layers.skinny import SkinnyMatmuls
 from kestrel.models.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps) -> None:
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.qkv_bias)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+                                          bias=cfg.qkv_bias, method=ops.linear_method)
+        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, method=ops.linear_method)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.rms_norm) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.rms_norm) if cfg.qk_norm else None
         self.rotary = rotary   # shared by all layers, not a child module (one cos/sin cache)
-        # set by fast_path (opt-in): qk_norm_rope_store, q/k norm + rotary + K/V write in one kernel
-        self.prologue = None
+        # q/k norm + rotary + K/V write in one kernel (layers/ops.py), or None: the backend writes K/V
+        self.prologue = ops.attn_prologue
 
-    def forward(self, hidden: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
-                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.o_proj(self.attend(self.qkv_proj(hidden), batch, backend, k_cache, v_cache))
-
-    def prologue_folds_into_qkv(self, batch: ForwardBatch, backend: AttentionBackend) -> bool:
-        """Whether a skinny QKV kernel may run this step's attention prologue (rotary, K/V write): a decode
-        step on the fused-prologue path of a model without q/k norm."""
-        return (batch.is_decode and self.prologue is not None and self.q_norm is None
-                and backend.supports_prewritten_kv() and not backend.decodes_from_qkv())
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
+                backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_proj(attention(qkv_proj(norm(hidden + residual)))), hidden + residual)."""
+        if batch.is_decode and self.prologue is not None and self.q_norm is None:
+            # A decode step may run the prologue inside the QKV matmul (where its method has such a kernel).
+            folded = self.qkv_proj.norm_rope_forward(hidden, residual, norm, RopeInputs(
+                batch.positions, self.rotary.cos_sin_cache, k_cache, v_cache, batch.slot_mapping, self.num_heads,
+                self.num_kv_heads, self.head_dim))
+            if folded is not None:
+                q, residual = folded
+                return self.o_proj(self.attend_prewritten(q, batch, backend, k_cache, v_cache)), residual
+        qkv, residual = self.qkv_proj.norm_forward(hidden, residual, norm)
+        return self.o_proj(self.attend(qkv, batch, backend, k_cache, v_cache)), residual
 
     def attend_prewritten(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                           k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -56,11 +63,6 @@ class Attention(nn.Module):
             q_norm_w = self.q_norm.weight if self.q_norm is not None else None
             k_norm_w = self.k_norm.weight if self.k_norm is not None else None
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
-            if batch.is_decode and backend.decodes_from_qkv():   # prologue + decode in one launch (experiment)
-                out = backend.decode_from_qkv(qkv, q_norm_w, k_norm_w, eps, batch.positions,
-                                              self.rotary.cos_sin_cache, k_cache, v_cache, batch, self.num_heads,
-                                              self.num_kv_heads, self.head_dim, self.scale)
-                return out.reshape(-1, self.q_size)
             q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
                               self.head_dim)
@@ -77,59 +79,39 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size)
-        self.silu_and_mul = None   # set by the runner on CUDA: fused Triton kernel
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+                                                       method=ops.linear_method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=ops.linear_method)
+        self.silu_and_mul = ops.silu_and_mul
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = self.gate_up_proj(x)
-        if self.silu_and_mul is not None:
-            return self.down_proj(self.silu_and_mul(gate_up))
-        gate, up = gate_up.chunk(2, dim=-1)
-        return self.down_proj(F.silu(gate) * up)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(down(silu(gate) * up) of norm(hidden + residual), hidden + residual); a method may fold the SiLU-mul
+        into gate_up's output or into down's input."""
+        gate_up, residual, activated = self.gate_up_proj.norm_silu_forward(hidden, residual, norm,
+                                                                           self.silu_and_mul)
+        if activated:
+            return self.down_proj(gate_up), residual
+        return self.down_proj.silu_forward(gate_up, self.silu_and_mul), residual
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary)
-        self.mlp = MLP(cfg)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.skinny: SkinnyMatmuls | None = None   # set by fast_path on CUDA: small-batch fused matmuls
+        self.self_attn = Attention(cfg, rotary, ops)
+        self.mlp = MLP(cfg, ops)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
 
-    def forward(self, hidden, residual, batch, backend, k_cache, v_cache):
-        skinny = self.skinny
-        if skinny is not None and hidden.shape[0] <= skinny.max_rows:
-            return self._forward_skinny(skinny, hidden, residual, batch, backend, k_cache, v_cache)
-        # The residual stream is carried separately so the add can fuse into the next norm.
-        if residual is None:
-            residual = hidden
-            hidden = self.input_layernorm(hidden)
-        else:
-            hidden, residual = self.input_layernorm(hidden, residual)
-        hidden = self.self_attn(hidden, batch, backend, k_cache, v_cache)
-        hidden, residual = self.post_attention_layernorm(hidden, residual)
-        return self.mlp(hidden), residual
-
-    def _forward_skinny(self, sk: SkinnyMatmuls, hidden, residual, batch, backend, k_cache, v_cache):
-        """Decode-sized batches: each norm rides in the matmul after it, SiLU-mul in the down projection."""
-        attn, mlp = self.self_attn, self.mlp
-        folded = attn.prologue_folds_into_qkv(batch, backend) and sk.norm_linear_rope(
-            hidden, residual, self.input_layernorm, attn.qkv_proj, positions=batch.positions,
-            cos_sin_cache=attn.rotary.cos_sin_cache, k_cache=k_cache, v_cache=v_cache,
-            slot_mapping=batch.slot_mapping, num_heads=attn.num_heads, num_kv_heads=attn.num_kv_heads,
-            head_dim=attn.head_dim)
-        if folded:
-            q, residual = folded
-            hidden = sk.linear(attn.attend_prewritten(q, batch, backend, k_cache, v_cache), attn.o_proj)
-        else:
-            qkv, residual = sk.norm_linear(hidden, residual, self.input_layernorm, attn.qkv_proj)
-            hidden = sk.linear(attn.attend(qkv, batch, backend, k_cache, v_cache), attn.o_proj)
-        return sk.mlp(hidden, residual, self.post_attention_layernorm, mlp.gate_up_proj, mlp.down_proj,
-                      mlp.silu_and_mul)
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so the add fuses into the next norm (and the norm into the
+        # next matmul, where the linear method folds it in); residual None: hidden is the stream (layer 0).
+        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, backend, k_cache, v_cache)
+        return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -139,14 +121,15 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS) -> None:
         super().__init__()
         self.config = cfg
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling)
+        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                 ops.apply_rotary)
         self.rotary = rotary
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary) for _ in range(cfg.num_layers))
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, ops) for _ in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight

@@ -25,7 +25,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.config import EngineConfig
-from kestrel.engine.async_engine import AsyncEngine
+from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
 from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
 from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, error_body

@@ -14,7 +14,7 @@ import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from kestrel.engine.async_engine import (AsyncEngine, Delta, EngineFailure, EngineNotReady, EngineOverloaded,
+from kestrel.frontend.async_engine import (AsyncEngine, Delta, EngineFailure, EngineNotReady, EngineOverloaded,
                                          RequestStream)
 from kestrel.errors import KestrelError
 from kestrel.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from kestrel.engine.cuda_graphs import packed_layout, torch_step_inputs
+from kestrel.forward.decode_graphs import packed_layout, torch_step_inputs
 from tests.gpu.engine_tokens import switch_keeps_tokens
 from tests.test_step_inputs import _random_step
 

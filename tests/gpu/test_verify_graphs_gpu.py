@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.engine.cuda_graphs import CudaGraphRunner
+from kestrel.forward.decode_graphs import DecodeGraphs
 from tests.test_graph_decode_path import check_verify_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -21,7 +21,7 @@ def test_captured_verify_graph_matches_eager(checkpoint_factory):
     llm = LLM(model=path, **kw)
     truth = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
     runner = llm.engine.runner
-    verify = CudaGraphRunner(runner, max_bs=4, max_blocks_per_seq=runner.graphs.tables.shape[1], max_rows=8,
+    verify = DecodeGraphs(runner, max_bs=4, max_blocks_per_seq=runner.graphs.tables.shape[1], max_rows=8,
                              query_len=3)
     verify.pool = runner.graphs.pool   # one memory pool with the decode graphs
     verify.capture()

@@ -12,9 +12,10 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import ForwardBatch, build_forward_batch
-from kestrel.engine.runner import ModelRunner, kv_bytes_per_block
+from kestrel.forward.batch import ForwardBatch, build_forward_batch
+from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
+from kestrel.layers.ops import choose_layer_ops
 from kestrel.models.loader import load_weights
 from kestrel.models.model_config import ModelConfig, load_model_config
 from kestrel.models.registry import model_class
@@ -83,23 +84,20 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     logger.info("model %s (%s), %d layers, device %s, dtype %s", path, cfg.architecture, cfg.num_layers, device,
                 str(dtype).removeprefix("torch."))
 
+    backend = select_attention_backend(config, device)
+    ops = choose_layer_ops(device, backend)
     torch.manual_seed(config.seed)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = model_class(cfg)(cfg)
+            model = model_class(cfg)(cfg, ops)
         finally:
             torch.set_default_dtype(default_dtype)
     model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32
     load_weights(model, path, progress)
     model.eval()
-
-    backend = select_attention_backend(config, device)
     runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
-    if device.type == "cuda":
-        from kestrel.engine.fast_path import enable_fused_ops
-        enable_fused_ops(model, backend)
     if backend.compiles_at_first_use:
         progress.begin("compiling_kernels", unit="CPU s")
         with child_cpu_progress(progress):
@@ -112,7 +110,7 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
 
     if device.type == "cuda" and not config.disable_cuda_graph:
-        from kestrel.engine.cuda_graphs import capture_graphs
+        from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, config, max_model_len, progress)
 
     progress.begin("warming_up")
@@ -174,7 +172,7 @@ def profile_activation_peak(runner: ModelRunner, config: EngineConfig, max_model
     batch, blocks = activation_profile_batch(config.max_num_batched_tokens, max_model_len, config.block_size)
     runner.allocate_kv_cache(blocks)
     torch.cuda.reset_peak_memory_stats(runner.device)
-    runner.forward_eager(batch.to(runner.device))
+    runner.forward(batch.to(runner.device))
     torch.cuda.synchronize(runner.device)
     peak = torch.cuda.max_memory_allocated(runner.device)
     runner.free_kv_cache()

@@ -6,7 +6,9 @@ one host-to-device copy of a packed input buffer, one graph replay, one device-t
 One graph per batch-size bucket (1, 2, 4, 8, then steps of 16 up to --cuda-graph-max-bs), captured largest
 first so all graphs share one memory pool. Rows past the real batch size are padding. A runner captures steps of
 a fixed number Q of query tokens per sequence: Q = 1 for decode (the engine's runner); Q = k + 1 for a speculative
-verify step (the last token plus k drafts, `launch_queries`), whose tokens sit at consecutive positions.
+verify step (the last token plus k drafts), whose tokens sit at consecutive positions. Either way a launch takes
+the step's SequenceChunks, as the eager road does, and the graph body runs the runner's `forward` on a
+ForwardBatch of views into the device buffer.
 
 Block tables live on the device across steps ("persistent rows"): each running sequence owns a row of
 
@@ -22,42 +24,35 @@ gather, the input tokens and their embeddings: layers/step_inputs.py). The packe
       padding rows: tokens 0, positions 0, slots -1 (no KV write), kv_len Q, row = dummy; padding updates hit the
       dummy row
 
-`prev_tokens` is never copied from the host: the graph writes its argmax there, and the next step's rows gather
-their input token through `input_src`, an index into the packed buffer that points either at the row's own
-`input_ids` entry (a token the host knows) or at a `prev_tokens` row (the token the previous step is still
-producing). That lets the engine launch step N+1 before it has read step N's tokens (the overlap schedule).
+`prev_tokens` is never copied from the host: the graph writes its argmax there, and the next step's tokens gather
+their value through `input_src`, an index into the packed buffer that points either at the token's own
+`input_ids` entry (a token the host knows) or at a `prev_tokens` entry (a token the previous step is still
+producing: a chunk's query token previous_token(i), forward/batch.py). That lets the engine launch step N+1
+before it has read step N's tokens (the overlap schedule), for any Q.
 """
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.engine.batch import ForwardBatch
-from kestrel.engine.request import Sequence
+from kestrel.envs import switches
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.progress import Progress
 
-logger = logging.getLogger("kestrel.cuda_graphs")
+logger = logging.getLogger("kestrel.decode_graphs")
 
 
-def batch_size_buckets(max_bs: int, min_bs: int = 1) -> list[int]:
-    """1, 2, 4, 8, then steps of 16 up to max_bs; buckets below min_bs are left out (smaller batches pad up)."""
+def batch_size_buckets(max_bs: int) -> list[int]:
+    """1, 2, 4, 8, then steps of 16 up to max_bs."""
     buckets = [b for b in (1, 2, 4, 8) if b <= max_bs]
     buckets += list(range(16, max_bs + 1, 16))
     if buckets[-1] != max_bs:
         buckets.append(max_bs)
-    return [b for b in buckets if b >= min_bs] or [max_bs]
-
-
-def graph_min_bs() -> int:
-    """KESTREL_GRAPH_MIN_BS (A/B knob, default 1): the smallest captured batch. At 8, a lone sequence replays the
-    8-row graph, so cuBLAS picks its kernels for 8 rows (the 8B's o_proj and down_proj use split-K and a reduce
-    kernel at one row) at the price of 7 padded rows in the attention and Triton kernels."""
-    return int(os.environ.get("KESTREL_GRAPH_MIN_BS", "1"))
+    return buckets
 
 
 def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
@@ -88,12 +83,6 @@ def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], 
 
 
 @dataclass(slots=True)
-class GraphStepOutput:
-    logits: torch.Tensor         # [bs, vocab] float32 (a view of the graph's static output)
-    greedy_tokens: list[int]     # argmax per row, already on the host
-
-
-@dataclass(slots=True)
 class _RowState:
     row: int
     written: int                 # blocks of the sequence already in its device row
@@ -101,12 +90,12 @@ class _RowState:
     last_block: int = -1         # block id at column written - 1, to notice a rollback that regrew
 
 
-class CudaGraphRunner:
+class DecodeGraphs:
     def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int, query_len: int = 1) -> None:
         self.runner = runner
         self.max_bs = max_bs
         self.query_len = q = query_len
-        self.buckets = batch_size_buckets(max_bs, graph_min_bs())
+        self.buckets = batch_size_buckets(max_bs)
         self.max_updates = 2 * max_bs
         self.max_rows = max_rows
         self.dummy_row = max_rows
@@ -127,22 +116,23 @@ class CudaGraphRunner:
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(0, max_bs * q + 1, q, dtype=torch.int64, device=device)
         self.max_kv_len = max_blocks_per_seq * runner.block_size
-        # The fp32 cast and argmax of the logits in one kernel (on by default: -1.5% per 0.6B step, -0.9% on the
-        # 8B, H200 session 7; KESTREL_FUSED_ARGMAX=0 gives torch's two), with static scratch shared by every
-        # bucket's graph (the graphs of one runner replay one at a time, in stream order).
+        # On CUDA (unless KESTREL_FUSED_OPS=0) the fp32 cast and argmax of the logits run in one kernel (-1.5% a
+        # 0.6B step, -0.9% on the 8B, against torch's two), with static scratch shared by every bucket's graph (the
+        # graphs of one runner replay one at a time, in stream order) ...
+        fused = device.type == "cuda" and switches().fused_ops
         self.argmax_scratch, self._logits_argmax = None, None
-        if device.type == "cuda" and os.environ.get("KESTREL_FUSED_ARGMAX", "1") == "1":
+        if fused:
             from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
             self.argmax_scratch, self._logits_argmax = alloc_argmax_scratch(max_bs * q, device), logits_argmax
-        # The graph's head (table updates, block-table rows, input tokens, embeddings) in one kernel on CUDA
-        # (layers/step_inputs.py); its block-table rows go to this static buffer.
+        # ... and so does the graph's head (table updates, block-table rows, input tokens, embeddings:
+        # layers/step_inputs.py), whose block-table rows go to this static buffer.
         self._head, self.block_table = torch_step_inputs, None
-        if device.type == "cuda" and os.environ.get("KESTREL_FUSED_STEP_INPUTS", "1") != "0":
+        if fused:
             from kestrel.layers.step_inputs import step_inputs   # Triton: CUDA only
             self._head = step_inputs
             self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, ForwardOutput] = {}
         self.pool = None
         self.memory_bytes = 0
         self.row_of: dict[int, _RowState] = {}
@@ -156,7 +146,7 @@ class CudaGraphRunner:
         start, size = self.layout[name]
         return self.dev[start:start + (size if n is None else n)]
 
-    def _graph_body(self, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_body(self, bs: int) -> ForwardOutput:
         n = bs * self.query_len   # query tokens
         block_table, input_ids, embeds = self._head(
             self.dev, self.layout, self.tables, self.runner.model.embed_tokens.weight, self.block_table, bs,
@@ -166,13 +156,17 @@ class CudaGraphRunner:
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
             block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=None,
             max_query_len=self.query_len, max_kv_len=self.max_kv_len, input_embeds=embeds,
+            capture_hidden_layers=self.runner.capture_hidden_layers,
         )
         tokens = self._view("prev_tokens", n)
         if self.argmax_scratch is not None:
-            raw = self.runner.forward_eager(batch, float_logits=False).logits
-            return self._logits_argmax(raw, tokens, self.argmax_scratch), tokens
-        logits = self.runner.forward_eager(batch).logits
-        return logits, torch.argmax(logits, dim=-1, out=tokens)
+            out = self.runner.forward(batch, float_logits=False)
+            out.logits = self._logits_argmax(out.logits, tokens, self.argmax_scratch)
+        else:
+            out = self.runner.forward(batch)
+            torch.argmax(out.logits, dim=-1, out=tokens)
+        out.tokens = tokens
+        return out
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
@@ -202,6 +196,11 @@ class CudaGraphRunner:
     def can_run(self, num_seqs: int) -> bool:
         return num_seqs <= self.max_bs
 
+    def can_run_chunks(self, chunks: list[SequenceChunk]) -> bool:
+        """A step this runner replays: at most max_bs sequences of Q query tokens each, every row's logits."""
+        q = self.query_len
+        return len(chunks) <= self.max_bs and all(len(c.tokens) == q and c.wants_logits for c in chunks)
+
     def _next_host_buffer(self) -> None:
         self._turn ^= 1
         self.host = self.host_buffers[self._turn]
@@ -222,91 +221,64 @@ class CudaGraphRunner:
             base, size = L[name]
             h[base + upd_start:base + size] = value
 
-    def _row_for(self, seq: Sequence, batch: list[Sequence]) -> _RowState:
-        state = self.row_of.get(seq.seq_id)
-        blocks = seq.block_ids
-        if state is not None and (state.generation != seq.num_preemptions or state.written > len(blocks)
+    def _row_for(self, chunk: SequenceChunk, batch: list[SequenceChunk]) -> _RowState:
+        state = self.row_of.get(chunk.seq_id)
+        blocks = chunk.block_ids
+        if state is not None and (state.generation != chunk.generation or state.written > len(blocks)
                                   or (state.written and blocks[state.written - 1] != state.last_block)):
             state.written = 0   # blocks were replaced (preemption) or dropped (rollback): rewrite the row
-            state.generation = seq.num_preemptions
+            state.generation = chunk.generation
         if state is None:
             if not self.free_rows:
-                self._reclaim_rows({s.seq_id for s in batch})
-            state = _RowState(self.free_rows.pop(), 0, seq.num_preemptions)
-            self.row_of[seq.seq_id] = state
+                self._reclaim_rows({c.seq_id for c in batch})
+            state = _RowState(self.free_rows.pop(), 0, chunk.generation)
+            self.row_of[chunk.seq_id] = state
         return state
 
     def _reclaim_rows(self, live: set[int]) -> None:
         for seq_id in [s for s in self.row_of if s not in live]:
             self.free_rows.append(self.row_of.pop(seq_id).row)
 
-    def forget(self, seq_id: int) -> None:
-        state = self.row_of.pop(seq_id, None)
-        if state is not None:
-            self.free_rows.append(state.row)
-
     @torch.inference_mode()
-    def run(self, seqs: list[Sequence]) -> GraphStepOutput:
-        logits, tokens = self.launch(seqs)
-        return GraphStepOutput(logits=logits, greedy_tokens=tokens.tolist())
-
-    @torch.inference_mode()
-    def launch(self, seqs: list[Sequence], prev_rows: dict[int, int] | None = None
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue one decode step (Q = 1) without waiting for it: (logits [bs, vocab], argmax tokens [bs]) on the
-        device, valid until the next launch. A sequence whose last token is still a placeholder (< 0, see
-        engine/overlap.py) takes its input from row prev_rows[seq_id] of the previous launch's tokens."""
-        assert self.query_len == 1, "decode launches need a runner of one query token per sequence"
-        bs = len(seqs)
+    def launch(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """Queue one step of Q query tokens per sequence without waiting for it: logits [bs * Q, vocab] and argmax
+        tokens [bs * Q] on the device, row-major, valid until the next launch. A query token previous_token(i)
+        takes its value from token i of the previous launch's output, on the device."""
+        q, bs = self.query_len, len(chunks)
         self._next_host_buffer()
         h, L = self.host_np, self.layout
-        ids = h[L["input_ids"][0]:L["input_ids"][0] + bs]
         ids_at, prev_at = L["input_ids"][0], L["prev_tokens"][0]
+        ids = h[ids_at:ids_at + bs * q]
         srcs = []
-        for i, seq in enumerate(seqs):
-            out = seq.output_token_ids
-            token = out[-1] if out else seq.prompt_token_ids[-1]
-            if token >= 0:
-                ids[i] = token
-                srcs.append(ids_at + i)
-            else:
-                srcs.append(prev_at + prev_rows[seq.seq_id])
+        i = 0
+        for chunk in chunks:
+            for token in chunk.tokens:
+                if token >= 0:
+                    ids[i] = token
+                    srcs.append(ids_at + i)
+                else:
+                    srcs.append(prev_at - 1 - token)
+                i += 1
         base = L["input_src"][0]
-        h[base:base + bs] = srcs
-        return self._launch_rows(seqs)
+        h[base:base + bs * q] = srcs
+        return self._launch_rows(chunks)
 
-    @torch.inference_mode()
-    def launch_queries(self, seqs: list[Sequence], queries: list[list[int]]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Queue a step of Q query tokens per sequence (a speculative verify step: the last token and Q - 1
-        drafts) at positions num_tokens - 1 .. num_tokens + Q - 2, whose blocks the caller has allocated:
-        (logits [bs * Q, vocab], argmax tokens [bs * Q]) on the device, row-major, valid until the next launch."""
-        q, bs = self.query_len, len(seqs)
-        assert all(len(tokens) == q for tokens in queries), f"this runner captures {q} query tokens per sequence"
-        self._next_host_buffer()
-        h, L = self.host_np, self.layout
-        ids_at = L["input_ids"][0]
-        h[ids_at:ids_at + bs * q] = [token for tokens in queries for token in tokens]
-        base = L["input_src"][0]
-        h[base:base + bs * q] = range(ids_at, ids_at + bs * q)
-        return self._launch_rows(seqs)
-
-    def _launch_rows(self, seqs: list[Sequence]) -> tuple[torch.Tensor, torch.Tensor]:
-        """The rest of a launch, its query tokens already in this turn's host buffer: a sequence's tokens sit at
-        positions num_tokens - 1 .. num_tokens + Q - 2. Positions, slots, kv_lens, block-table rows and updates, padding,
-        one copy, one replay."""
-        q, bs = self.query_len, len(seqs)
+    def _launch_rows(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """The rest of a launch, its query tokens already in this turn's host buffer: positions, slots, kv_lens,
+        block-table rows and updates, padding, one copy, one replay."""
+        q, bs = self.query_len, len(chunks)
         bucket = next(b for b in self.buckets if b >= bs)
         h, L, block_size = self.host_np, self.layout, self.runner.block_size
         updates: list[tuple[int, int, int]] = []
         positions, slots, rows, kv_lens = [], [], [], []
         row_of = self.row_of
-        for seq in seqs:
-            start = seq.num_tokens - 1
-            blocks = seq.block_ids
-            state = row_of.get(seq.seq_id)
-            if state is None or state.written != len(blocks) or state.generation != seq.num_preemptions \
+        for chunk in chunks:
+            start = chunk.start
+            blocks = chunk.block_ids
+            state = row_of.get(chunk.seq_id)
+            if state is None or state.written != len(blocks) or state.generation != chunk.generation \
                     or blocks[-1] != state.last_block:
-                state = self._row_for(seq, seqs)
+                state = self._row_for(chunk, chunks)
                 for col in range(state.written, len(blocks)):
                     updates.append((state.row, col, blocks[col]))
                 state.written = len(blocks)
@@ -332,10 +304,12 @@ class CudaGraphRunner:
         self.dev[start:].copy_(self.host[start:], non_blocking=True)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            logits, tokens = self.outputs[bucket]
+            out = self.outputs[bucket]
         else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
-            logits, tokens = self._graph_body(bucket)
-        return logits[: bs * q], tokens[: bs * q]
+            out = self._graph_body(bucket)
+        n = bs * q
+        return ForwardOutput(logits=out.logits[:n], tokens=out.tokens[:n],
+                             hidden_states={layer: h[:n] for layer, h in out.hidden_states.items()})
 
     def read_back_async(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Queue the copy of the last launch's tokens into this turn's pinned buffer: (host buffer, event recorded
@@ -357,12 +331,12 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
         logger.warning("attention backend %s cannot be captured in CUDA graphs; running eagerly",
                        runner.backend.name)
         return
-    from kestrel.engine.prefill_graphs import PrefillGraphRunner
+    from kestrel.forward.prefill_graphs import PrefillGraphs
 
     max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs)
     max_blocks = -(-max_model_len // config.block_size)
-    decode = CudaGraphRunner(runner, max_bs, max_blocks, config.max_num_seqs)
-    prefill = PrefillGraphRunner(runner, max_blocks, config.max_num_batched_tokens)
+    decode = DecodeGraphs(runner, max_bs, max_blocks, config.max_num_seqs)
+    prefill = PrefillGraphs(runner, max_blocks, config.max_num_batched_tokens)
     progress.begin("capturing_cuda_graphs", len(decode.buckets) + len(prefill.buckets), "graphs")
     start = time.monotonic()
     torch.cuda.synchronize()

@@ -1,9 +1,35 @@
-"""ForwardBatch: everything one forward pass needs; built by the scheduler, consumed by the runner."""
+"""What one forward pass takes and gives.
+
+    SequenceChunk (host)  one sequence's query tokens for this step, as the engine hands them to the runner
+    ForwardBatch (device) the tensors the model and the attention backend read; every road through the runner
+                          (eager, decode graphs, prefill graphs) builds one and runs the same model forward on it
+    ForwardOutput         logits at the asked positions, argmax tokens where a graph computed them, and the
+                          hidden states entering chosen layers
+"""
 from __future__ import annotations
 
 from dataclasses import dataclass
 
 import torch
+
+
+PREVIOUS_TOKEN = -1   # a query token -1 - i is token i of the previous launch's output, still on the device
+
+
+def previous_token(index: int) -> int:
+    """The query-token value that stands for token `index` of the previous graph launch's output."""
+    return -1 - index
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceChunk:
+    """One sequence's part of a step: query tokens at positions start, start + 1, ...; its blocks hold them."""
+    seq_id: int
+    tokens: list[int]          # a negative entry is previous_token(i): only the decode graphs take those
+    start: int
+    block_ids: list[int]       # the sequence's block list (not copied: read before the step returns)
+    generation: int = 0        # the sequence's preemption count: its blocks were replaced when it changes
+    wants_logits: bool = True  # the last token's logits (a prompt chunk that does not finish its prompt: no)
 
 
 @dataclass(slots=True)
@@ -56,6 +82,14 @@ class ForwardBatch:
 class ForwardOutput:
     logits: torch.Tensor                       # [num_outputs, vocab] float32
     hidden_states: dict[int, torch.Tensor]     # layer -> [T, hidden], for capture_hidden_layers
+    tokens: torch.Tensor | None = None         # [num_outputs] int64 argmax on the device (graph roads), or None
+
+
+def chunks_to_batch(chunks: list[SequenceChunk], block_size: int,
+                    capture_hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
+    """The eager road's ForwardBatch (on the CPU) for a step's chunks."""
+    return build_forward_batch([c.tokens for c in chunks], [c.start for c in chunks], [c.block_ids for c in chunks],
+                               block_size, [c.wants_logits for c in chunks], capture_hidden_layers)
 
 
 def build_forward_batch(

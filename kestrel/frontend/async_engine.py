@@ -1,5 +1,5 @@
 """AsyncEngine: the asyncio front door of the engine core, which runs in its own process (processes and pipes
-are drawn in engine/core_host.py; the message protocol is listed in engine/core.py).
+are drawn in frontend/engine_process.py; the message protocol is listed in engine/core.py).
 
     event loop (HTTP handlers)                            engine core
     ─────────────────────────                             ───────────
@@ -27,9 +27,9 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kestrel.config import EngineConfig
-from kestrel.engine.core_host import EngineProcess, EngineThread
+from kestrel.frontend.engine_process import EngineProcess, EngineThread
 from kestrel.engine.messages import EngineLimits, EngineStats, TokenLogprob, decode_logprobs, decode_stats
-from kestrel.engine.output import TextAssembler
+from kestrel.frontend.output import TextAssembler
 from kestrel.errors import KestrelError
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams

@@ -13,16 +13,14 @@ import logging
 
 import torch
 
-from kestrel.engine.batch import ForwardBatch
-from kestrel.engine.cuda_graphs import GraphStepOutput
-from kestrel.engine.request import Sequence
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
 
 logger = logging.getLogger("kestrel.prefill_graphs")
 
 PREFILL_BUCKETS = (16, 32, 64, 128, 256, 512)
 
 
-class PrefillGraphRunner:
+class PrefillGraphs:
     def __init__(self, runner, max_blocks_per_seq: int, max_tokens: int, pool=None) -> None:
         self.runner = runner
         # A padded chunk must fit in one block-table row (max_model_len): bigger buckets are useless anyway.
@@ -41,7 +39,7 @@ class PrefillGraphRunner:
         self.host_np = self.host.numpy()
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
-        self.outputs: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.outputs: dict[int, ForwardOutput] = {}
         self.pool = pool
         self.max_kv_len = max_blocks_per_seq * runner.block_size
         self._qsl = {q: torch.tensor([0, q], dtype=torch.int64, device=device) for q in self.buckets}
@@ -50,16 +48,17 @@ class PrefillGraphRunner:
         start, size = self.layout[name]
         return self.dev[start:start + (size if n is None else n)]
 
-    def _graph_body(self, q: int) -> tuple[torch.Tensor, torch.Tensor]:
+    def _graph_body(self, q: int) -> ForwardOutput:
         qsl = self._qsl[q]
         batch = ForwardBatch(
             input_ids=self._view("input_ids", q), positions=self._view("positions", q), query_start_loc=qsl,
             kv_lens=self._view("kv_lens"), block_table=self._view("block_table").view(1, -1),
             slot_mapping=self._view("slot_mapping", q), logits_at=self._view("logits_at"),
-            max_query_len=q, max_kv_len=self.max_kv_len,
+            max_query_len=q, max_kv_len=self.max_kv_len, capture_hidden_layers=self.runner.capture_hidden_layers,
         )
-        logits = self.runner.forward_eager(batch).logits
-        return logits, logits.argmax(dim=-1)
+        out = self.runner.forward(batch)
+        out.tokens = out.logits.argmax(dim=-1)
+        return out
 
     @torch.inference_mode()
     def capture(self, dry_run: bool = False) -> None:
@@ -85,6 +84,10 @@ class PrefillGraphRunner:
         """Dummy inputs for capturing bucket q: a q-token prompt whose blocks are all block 0."""
         self._fill([0] * q, 0, [0] * -(-q // self.runner.block_size), q)
 
+    def can_run_chunks(self, chunks: list[SequenceChunk]) -> bool:
+        """A lone sequence's chunk of known tokens that fits a bucket."""
+        return len(chunks) == 1 and self.can_run(len(chunks[0].tokens), chunks[0].start)
+
     def can_run(self, num_tokens: int, start: int) -> bool:
         if not 1 < num_tokens <= self.max_q:
             return False
@@ -109,13 +112,17 @@ class PrefillGraphRunner:
         h[base:base + len(blocks)] = blocks
 
     @torch.inference_mode()
-    def run(self, seq: Sequence, start: int, num_tokens: int) -> GraphStepOutput:
+    def run(self, chunk: SequenceChunk) -> ForwardOutput:
+        """Replay the graph of the next bucket: logits [1, vocab] and argmax [1] at the chunk's last token, and the
+        hidden states of its tokens (padding cut off)."""
+        num_tokens = len(chunk.tokens)
         q = next(b for b in self.buckets if b >= num_tokens)
-        self._fill(seq.token_ids()[start:start + num_tokens], start, seq.block_ids, q)
+        self._fill(chunk.tokens, chunk.start, chunk.block_ids, q)
         self.dev.copy_(self.host, non_blocking=True)
         if q in self.graphs:
             self.graphs[q].replay()
-            logits, tokens = self.outputs[q]
-        else:   # not captured (CPU tests of the padding logic): run the same body eagerly
-            logits, tokens = self._graph_body(q)
-        return GraphStepOutput(logits=logits, greedy_tokens=tokens.tolist())
+            out = self.outputs[q]
+        else:   # not captured (CPU tests of the padding logic): the same body, eagerly
+            out = self._graph_body(q)
+        return ForwardOutput(logits=out.logits, tokens=out.tokens,
+                             hidden_states={layer: h[:num_tokens] for layer, h in out.hidden_states.items()})

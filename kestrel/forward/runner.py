@@ -1,0 +1,83 @@
+"""ModelRunner: owns the model, the paged KV cache and the attention backend; runs one step.
+
+`execute(chunks)` is the engine's one entry: it takes the road the step's shape allows and every road builds a
+ForwardBatch and runs `forward` on it (inside a captured graph or not), so each returns the same ForwardOutput:
+
+    a decode step of at most cuda_graph_max_bs sequences   -> forward/decode_graphs.py (replay)
+    a lone sequence's prompt chunk of 2 .. 512 tokens       -> forward/prefill_graphs.py (replay)
+    anything else                                           -> eager forward
+
+KV cache memory, one pair per layer (views into one allocation):
+
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    layer l:  k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]
+"""
+from __future__ import annotations
+
+import logging
+
+import torch
+from torch import nn
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk, chunks_to_batch
+from kestrel.models.model_config import ModelConfig
+
+logger = logging.getLogger("kestrel.runner")
+
+
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
+    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(self, model: nn.Module, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
+                 dtype: torch.dtype, block_size: int, capture_hidden_layers: tuple[int, ...] = ()) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.backend = backend
+        self.device = device
+        self.dtype = dtype
+        self.block_size = block_size
+        self.kv_cache: torch.Tensor | None = None
+        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        # layers whose input hidden states every step returns (EAGLE-3's drafter reads three); set before the
+        # graphs are captured, since a graph's outputs are fixed at capture
+        self.capture_hidden_layers = capture_hidden_layers
+        self.graphs = None          # DecodeGraphs (forward/decode_graphs.py), after capture
+        self.prefill_graphs = None  # PrefillGraphs (forward/prefill_graphs.py), after capture
+
+    def allocate_kv_cache(self, num_blocks: int) -> None:
+        cfg = self.cfg
+        # Zeroed: padded rows and masked positions read slots nobody wrote, and they must hold finite numbers.
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads,
+                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+
+    def free_kv_cache(self) -> None:
+        self.kv_cache = None
+        self.kv_caches = []
+
+    def decodes_in_graph(self, num_seqs: int) -> bool:
+        """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""
+        return self.graphs is not None and self.graphs.can_run(num_seqs)
+
+    @torch.inference_mode()
+    def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        """One step of the engine, on the road its shape allows. A decode-graph launch is queued, not waited for:
+        its tokens are read when the caller reads them (the overlap schedule reads them one step later)."""
+        if self.graphs is not None and self.graphs.can_run_chunks(chunks):
+            return self.graphs.launch(chunks)
+        if self.prefill_graphs is not None and self.prefill_graphs.can_run_chunks(chunks):
+            return self.prefill_graphs.run(chunks[0])
+        return self.forward(chunks_to_batch(chunks, self.block_size, self.capture_hidden_layers))
+
+    @torch.inference_mode()
+    def forward(self, batch: ForwardBatch, float_logits: bool = True) -> ForwardOutput:
+        """Run one ForwardBatch (moved to the device if it lives on the CPU). float_logits=False leaves the logits
+        in the model dtype (for a caller that casts them itself)."""
+        if batch.input_ids.device != self.device:
+            batch = batch.to(self.device)
+        self.backend.prepare(batch)
+        hidden, captured = self.model(batch, self.backend, self.kv_caches)
+        return ForwardOutput(logits=self.model.compute_logits(hidden, float_logits), hidden_states=captured)

@@ -1,0 +1,1 @@
+"""The process boundary: the asyncio front door, the engine process (or thread) behind pipes, text assembly."""

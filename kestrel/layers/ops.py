@@ -1,0 +1,68 @@
+"""LayerOps: the kernels a model's layers run, chosen once when the model is built.
+
+A model passes these to its blocks at construction (RMSNorm, rotary, the MLP's SiLU-mul, each linear layer's
+method, the attention prologue), so every architecture built from the same blocks gets the same fast path and
+no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, and the oracle on CUDA);
+`choose_layer_ops` picks the fused Triton / CUDA kernels on CUDA:
+
+    rms_norm        layers/fused_ops.py   (add + RMSNorm in one kernel)
+    apply_rotary    layers/fused_ops.py
+    silu_and_mul    layers/fused_ops.py
+    linear_method   layers/skinny.py      (decode-sized batches: Triton / CUDA C++ matmuls with the norm, SiLU-mul
+                                           and attention prologue folded in; cuBLAS above)
+    attn_prologue   layers/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
+                                           backend that accepts K/V already in the cache
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.envs import DevSwitches, switches
+from kestrel.layers.linear import PLAIN, LinearMethod, silu_and_mul_torch
+from kestrel.layers.norm import rms_norm_torch
+from kestrel.layers.rotary import apply_rotary_torch
+
+logger = logging.getLogger("kestrel.ops")
+
+
+@dataclass(frozen=True)
+class LayerOps:
+    rms_norm: Callable[..., object]        # (x, weight, eps, residual) -> y, or (y, x + residual) with residual
+    apply_rotary: Callable[..., tuple[torch.Tensor, torch.Tensor]]   # (q, k, positions, cos_sin_cache)
+    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+    linear_method: LinearMethod = PLAIN
+    # (qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, heads, kv_heads,
+    # head_dim) -> rotated q, k and v written to the caches; None: the backend writes K/V itself
+    attn_prologue: Callable[..., torch.Tensor] | None = None
+
+
+TORCH_OPS = LayerOps(rms_norm=rms_norm_torch, apply_rotary=apply_rotary_torch, silu_and_mul=silu_and_mul_torch)
+
+
+def choose_layer_ops(device: torch.device, backend: AttentionBackend, dev: DevSwitches | None = None) -> LayerOps:
+    """The fused kernels on CUDA (unless KESTREL_FUSED_OPS=0), the torch ops elsewhere."""
+    dev = dev or switches()
+    if device.type != "cuda" or not dev.fused_ops:
+        return TORCH_OPS
+    try:
+        from kestrel.layers import fused_ops
+    except ImportError as exc:   # no triton: keep the torch ops
+        logger.warning("fused ops unavailable (%s); using torch ops", exc)
+        return TORCH_OPS
+    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.layers.skinny import skinny_method
+
+    prologue = None
+    if backend.supports_prewritten_kv():
+        prologue = qk_norm_rope_store
+    else:
+        logger.warning("fused attention prologue not used: the %s backend writes K/V itself", backend.name)
+    return LayerOps(rms_norm=fused_ops.rms_norm, apply_rotary=fused_ops.apply_rotary,
+                    silu_and_mul=fused_ops.silu_and_mul,
+                    linear_method=skinny_method(dev.skinny_matmul, dev.cuda_gemv) or PLAIN,
+                    attn_prologue=prologue)
