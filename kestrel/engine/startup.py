@@ -156,7 +156,7 @@ def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, m
 def activation_profile_batch(tokens: int, max_model_len: int, block_size: int) -> tuple[ForwardBatch, int]:
     """The largest step (a prefill of `tokens` tokens) as sequences of at most max_model_len tokens, so every
     position has a rotary row: one 8192-token sequence on a 2048-position model read past the cos/sin cache
-    (an illegal memory access on the H200, session 4). Returns (batch, blocks it writes)."""
+    (an illegal memory access). Returns (batch, blocks it writes)."""
     lengths = [min(max_model_len, tokens - start) for start in range(0, tokens, max_model_len)]
     tables, next_block = [], 0
     for n in lengths:
