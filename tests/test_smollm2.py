@@ -60,13 +60,16 @@ def llm():
     return LLM(model="smollm2", device="cpu", dtype="float32")
 
 
-def test_config_and_eos(llm):
-    cfg = llm.engine.runner.model_config if hasattr(llm.engine.runner, "model_config") else None
+def test_config_and_eos(llm, gguf_path):
+    from kestrel.models.gguf.reader import gguf_model_config
+
+    cfg = gguf_model_config(gguf_path)
+    assert (cfg.num_layers, cfg.hidden_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 576, 9, 3, 64)
+    assert (cfg.intermediate_size, cfg.vocab_size, cfg.rope_theta, cfg.tie_word_embeddings) == \
+        (1536, 49152, 100000.0, True)
     tok = llm.tokenizer
     # transformers' GGUF tokenizer takes eos from the bos id; the model ends its turns with id 2.
     assert tok.eos_token_ids == {2} and tok.hf.convert_ids_to_tokens(2) == "<|im_end|>"
-    if cfg is not None:
-        assert (cfg.num_layers, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim) == (30, 9, 3, 64)
 
 
 def test_tokenizer_ids_decode_and_chat_template_match_hf(llm, hf_tok):
