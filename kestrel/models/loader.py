@@ -50,6 +50,9 @@ def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obje
 
 
 def load_weights(model: nn.Module, model_dir: Path, progress: Progress | None = None) -> None:
+    if model_dir.suffix.lower() == ".gguf":   # one quantized file: dequantized tensor by tensor
+        from kestrel.models.gguf.tensors import load_gguf_weights
+        return load_gguf_weights(model, model_dir, progress)
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
     params = dict(model.named_parameters(remove_duplicate=False))

@@ -12,14 +12,11 @@ logger = logging.getLogger("kestrel.tokenizer")
 
 class Tokenizer:
     def __init__(self, path: Path, model_eos_ids: tuple[int, ...] = ()) -> None:
-        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
-            raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
-        from transformers import AutoTokenizer   # slow import: only when a tokenizer is really needed
-
-        try:
-            self.hf = AutoTokenizer.from_pretrained(str(path))
-        except Exception as exc:  # transformers raises many types for broken tokenizer files
-            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
+        if path.suffix.lower() == ".gguf":   # the vocabulary, merges and chat template live in the file
+            from kestrel.models.gguf.tokenizer import load_gguf_tokenizer
+            self.hf = load_gguf_tokenizer(path)
+        else:
+            self.hf = self._load_dir(path)
         eos = set(model_eos_ids)
         if self.hf.eos_token_id is not None:
             eos.add(int(self.hf.eos_token_id))
@@ -30,6 +27,17 @@ class Tokenizer:
         self.eos_token_ids: set[int] = eos
         self.bos_token_id = self.hf.bos_token_id
         self.vocab_size = len(self.hf)
+
+    @staticmethod
+    def _load_dir(path: Path):
+        if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
+            raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
+        from transformers import AutoTokenizer   # slow import: only when a tokenizer is really needed
+
+        try:
+            return AutoTokenizer.from_pretrained(str(path))
+        except Exception as exc:  # transformers raises many types for broken tokenizer files
+            raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
