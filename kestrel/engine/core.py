@@ -48,6 +48,9 @@ def run_engine_core(config: EngineConfig, progress: Progress, commands: Commands
         engine = Engine(config, progress=progress)
     except CoreStopped:
         return
+    except KestrelError as exc:    # the user's input (a bad model file, a bad option): the message says it all
+        send(("start_failed", str(exc)))
+        return
     except BaseException as exc:   # noqa: BLE001 - any startup failure is reported, not raised
         logger.exception("engine startup failed")
         send(("start_failed", f"{type(exc).__name__}: {exc}"))

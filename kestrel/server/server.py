@@ -42,6 +42,6 @@ class KestrelServer(uvicorn.Server):
     async def on_tick(self, counter: int) -> bool:
         if self.state.engine.startup_error is not None and not self.startup_failed:
             self.startup_failed = True
-            logger.error("engine startup failed; shutting down (%s)", self.state.engine.startup_error)
+            logger.info("shutting down: the engine did not start")   # the engine front logged why
             self.should_exit = True
         return await super().on_tick(counter)
