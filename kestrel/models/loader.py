@@ -10,6 +10,7 @@ import logging
 import time
 from pathlib import Path
 
+import torch
 from safetensors import safe_open
 from torch import nn
 
@@ -49,16 +50,44 @@ def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, obje
     return name, None
 
 
+class WeightPlacer:
+    """Puts checkpoint tensors, by HF name, into a model's parameters through their weight_loaders (onto merged
+    parameters through the model's `packed_modules`), and checks at the end that none was left out."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.model_name = type(model).__name__
+        self.params = dict(model.named_parameters(remove_duplicate=False))
+        self.packed = getattr(model, "packed_modules", {})
+        self.tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        self.loaded: set[str] = set()
+
+    def skips(self, name: str) -> bool:
+        return name.endswith(IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight")
+
+    def place(self, name: str, tensor: torch.Tensor, source: str) -> None:
+        target, shard_id = _target(name, self.packed)
+        param = self.params.get(target)
+        if param is None:
+            raise ModelLoadError(f"{source}: tensor {name!r} has no place in {self.model_name} (unexpected weight)")
+        loader = getattr(param, "weight_loader")
+        tensor = tensor.to(param.dtype)
+        if shard_id is None:
+            loader(param, tensor, name)
+        else:
+            loader(param, tensor, name, shard_id)
+        self.loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+
+    def check_complete(self, checkpoint: Path) -> None:
+        _check_complete(self.params, self.packed, self.loaded, self.tied, checkpoint)
+
+
 def load_weights(model: nn.Module, model_dir: Path, progress: Progress | None = None) -> None:
     if model_dir.suffix.lower() == ".gguf":   # one quantized file: dequantized tensor by tensor
         from kestrel.models.gguf.tensors import load_gguf_weights
         return load_gguf_weights(model, model_dir, progress)
     files = checkpoint_files(model_dir)
     total = sum(f.stat().st_size for f in files)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    loaded: set[str] = set()
+    placer = WeightPlacer(model)
     done = 0
     start = time.monotonic()
     if progress:
@@ -71,36 +100,24 @@ def load_weights(model: nn.Module, model_dir: Path, progress: Progress | None = 
             raise ModelLoadError(f"{path}: cannot be read as safetensors ({exc})") from None
         with handle as f:
             for name in f.keys():
-                if name.endswith(IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+                if placer.skips(name):
                     continue
-                target, shard_id = _target(name, packed)
-                param = params.get(target)
-                if param is None:
-                    raise ModelLoadError(f"{path.name}: tensor {name!r} has no place in "
-                                         f"{type(model).__name__} (unexpected weight)")
                 tensor = f.get_tensor(name)
-                nbytes = tensor.numel() * tensor.element_size()
-                loader = getattr(param, "weight_loader")
-                tensor = tensor.to(param.dtype)
-                if shard_id is None:
-                    loader(param, tensor, name)
-                else:
-                    loader(param, tensor, name, shard_id)
-                loaded.add(target if shard_id is None else f"{target}:{shard_id}")
-                done += nbytes
+                placer.place(name, tensor, path.name)
+                done += tensor.numel() * tensor.element_size()
                 if progress:
                     progress.update(done)
         files_done += path.stat().st_size
         done = files_done   # count headers too, so the phase ends at exactly its total
         if progress:
             progress.update(done)
-    _check_complete(model, params, packed, loaded, tied, model_dir)
+    placer.check_complete(model_dir)
     seconds = time.monotonic() - start
     logger.info("loaded %.2f GB of weights from %d file(s) in %.1f s (%.2f GB/s)", total / 1e9, len(files),
                 seconds, total / 1e9 / max(seconds, 1e-9))
 
 
-def _check_complete(model: nn.Module, params: dict[str, nn.Parameter], packed, loaded: set[str], tied: bool,
+def _check_complete(params: dict[str, nn.Parameter], packed, loaded: set[str], tied: bool,
                     model_dir: Path) -> None:
     shards_of: dict[str, list[object]] = {}
     for _, (merged, shard_id) in packed.items():

@@ -101,35 +101,22 @@ def hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, int]]:
 
 def load_gguf_weights(model: nn.Module, path: Path, progress: Progress | None = None) -> None:
     """loader.load_weights for a .gguf file: same name mapping onto merged parameters, same completeness check."""
-    from kestrel.models.loader import _check_complete, _target
+    from kestrel.models.loader import WeightPlacer
 
     reader = open_gguf(path)
     total = sum(int(t.n_bytes) for t in reader.tensors)
-    params = dict(model.named_parameters(remove_duplicate=False))
-    packed = getattr(model, "packed_modules", {})
-    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
-    loaded: set[str] = set()
+    placer = WeightPlacer(model)
     done = 0
     start = time.monotonic()
     if progress:
         progress.begin("loading_weights", total, "B")
     for name, tensor, nbytes in hf_tensors(path):
-        if tied and name == "lm_head.weight":
+        if placer.skips(name):
             continue
-        target, shard_id = _target(name, packed)
-        param = params.get(target)
-        if param is None:
-            raise ModelLoadError(f"{path.name}: tensor {name!r} has no place in {type(model).__name__}")
-        loader = getattr(param, "weight_loader")
-        tensor = tensor.to(param.dtype)
-        if shard_id is None:
-            loader(param, tensor, name)
-        else:
-            loader(param, tensor, name, shard_id)
-        loaded.add(target if shard_id is None else f"{target}:{shard_id}")
+        placer.place(name, tensor, path.name)
         done += nbytes
         if progress:
             progress.update(done)
-    _check_complete(model, params, packed, loaded, tied, path)
+    placer.check_complete(path)
     seconds = time.monotonic() - start
     logger.info("loaded and dequantized %.1f MB of GGUF tensors in %.1f s", total / 1e6, seconds)
