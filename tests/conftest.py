@@ -99,3 +99,14 @@ def checkpoint_factory(tmp_path_factory):
         return cache[key]
 
     return make
+
+
+@pytest.fixture(autouse=True)
+def fresh_dev_switches():
+    """kestrel.envs reads the developer switches once per process; a test that sets one (monkeypatch.setenv)
+    must not leave its reading to the next test."""
+    from kestrel.envs import switches
+
+    switches.cache_clear()
+    yield
+    switches.cache_clear()

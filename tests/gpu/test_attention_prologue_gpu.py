@@ -98,15 +98,15 @@ def test_engine_with_fused_prologue_gives_the_unfused_greedy_tokens(checkpoint_f
     prefill graphs on, so the prologue is also captured and replayed."""
     from kestrel import LLM, SamplingParams
     from kestrel.layers.attention_prologue import qk_norm_rope_store
-    from kestrel.models.llama import Attention
     path = str(checkpoint_factory(arch))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)
     kw = dict(device="cuda", dtype="float32", attention_backend="triton", block_size=16)
-    monkeypatch.setenv("KESTREL_FUSED_ATTN_PROLOGUE", "0")
-    plain = [o.outputs[0].token_ids for o in LLM(model=path, **kw).generate(prompts, params)]
-    monkeypatch.delenv("KESTREL_FUSED_ATTN_PROLOGUE", raising=False)   # on by default
-    llm = LLM(model=path, **kw)
-    assert all(m.prologue is qk_norm_rope_store for m in llm.engine.runner.model.modules()
-               if isinstance(m, Attention))
+    unfused = LLM(model=path, disable_cuda_graph=True, **kw)   # eager, so the prologue can be taken out
+    for layer in unfused.engine.runner.model.layers:
+        layer.self_attn.prologue = None
+    plain = [o.outputs[0].token_ids for o in unfused.generate(prompts, params)]
+    del unfused
+    llm = LLM(model=path, **kw)   # the prologue is chosen on CUDA with the triton backend
+    assert all(layer.self_attn.prologue is qk_norm_rope_store for layer in llm.engine.runner.model.layers)
     assert [o.outputs[0].token_ids for o in llm.generate(prompts, params)] == plain
