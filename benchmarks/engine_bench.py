@@ -142,6 +142,9 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     if args.prefix_bench and name_of(model_dir) in args.prefix_bench.split(","):
         results["shared_prefix"] = prefix_cache_bench(engine, vocab)
     prefill_graphs = runner.prefill_graphs
+    if getattr(args, "graphs_only", False):   # the default road only: no eager or other-backend variants
+        results["kestrel"] = variants
+        return
     if graphs:
         runner.graphs = runner.prefill_graphs = None
         variants[f"{runner.backend.name} eager"] = {"bs1": single_stream(engine, prompts, args.output_len),
@@ -240,6 +243,8 @@ def main() -> int:
     ap.add_argument("--concurrency", type=int, default=128)
     ap.add_argument("--hf-tokens", type=int, default=32)
     ap.add_argument("--skip-hf", action="store_true")
+    ap.add_argument("--graphs-only", action="store_true", help="time the default road only (graphs + the fastest "
+                    "backend), not the eager and other-backend variants")
     ap.add_argument("--prefix-bench", default="qwen3-0.6b", help="models (dir names) that also run the "
                     "shared-prefix workload")
     ap.add_argument("--only", choices=["kestrel", "hf"], default=None, help="bench one system (the per-model "
@@ -297,7 +302,7 @@ def bench_each_model_in_a_child(args) -> int:
             cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--only", system,
                    "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
                    "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
-                   "--prefix-bench", args.prefix_bench]
+                   "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else [])
             subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
             try:
                 part = json.loads(out.read_text())
