@@ -7,13 +7,13 @@ For each model shape: one 128-token prompt is prefilled, then
     between kernels (replay span minus kernel time).
 Writes JSON (--out) and prints the tables.
 
-KESTREL_PROFILE_ABLATE=decode,prologue,norm,silu,merge (any of them) takes work out of the captured step to see what the
+KESTREL_PROFILE_ABLATE=decode,prologue,norm,silu,cluster_merge (any of them) takes work out of the captured step to see what the
 rest costs without it (the tokens are garbage; only the timing means anything): `decode` makes decode attention
 return its q unchanged (o_proj reads q), `prologue` makes the fused q/k norm + rotary + K/V write return qkv's q
 columns untouched (with both, o_proj's input is a strided view, so one copy kernel appears); `norm` and `silu`
 take the add-RMSNorm and the SiLU-mul out of the skinny matmuls that fold them in (qkv and gate_up read the
-hidden state as it is; down reads the gate half), so those matmuls keep their weights and grids; `merge` leaves
-decode attention's split programs storing their partials, with no counter atomic and no merge of the splits.
+hidden state as it is; down reads the gate half), so those matmuls keep their weights and grids; `cluster_merge`
+builds the cluster decode kernel without the merge of its programs' partials.
 
     python -m benchmarks.profile_decode --models qwen3-0.6b,llama-3.1-8b --workdir /tmp/kestrel-bench
 """
@@ -116,9 +116,6 @@ def ablations(spec: str) -> list[tuple[object, str, object]]:
     def gemv_without_silu(gate_up, w, bias=None, config=None):
         return plain_gemv(gate_up[:, :gate_up.shape[1] // 2], w, bias, config)
 
-    def no_merge(*args, **kwargs):
-        return None
-
     cluster_defines = cluster_decode.defines
 
     def cluster_defines_without_merge(*args, **kwargs):
@@ -129,9 +126,6 @@ def ablations(spec: str) -> list[tuple[object, str, object]]:
              "prologue": [(attention_prologue, "qk_norm_rope_store", prologue_returns_q)],
              "norm": [(gemv, "add_rms_norm_gemv", gemv_without_norm)],
              "silu": [(gemv, "silu_mul_gemv", gemv_without_silu)],
-             # the split programs store their partials and stop: no counter atomic, no merge, no second launch
-             "merge": [(triton_kernels, "merge_in_kernel", lambda: False),
-                       (triton_kernels, "decode_reduce", no_merge)],
              # the cluster kernel's programs each write their own partial: no cluster barrier, no peer reads
              "cluster_merge": [(cluster_decode, "defines", cluster_defines_without_merge)]}
     names = [n for n in spec.split(",") if n]

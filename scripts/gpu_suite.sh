@@ -122,13 +122,11 @@ if [[ $STAGES == *" profile "* ]]; then
   # switches. Down on one row a warp (4096x14336=1,8: -0.3 to -0.6% in six calls) is now the default. o_proj
   # on 4 or 3 rows a warp (4096x4096=4,4 / 3,4, all its blocks resident beside decode) +0.8% / +0.8%.
   # Ablations (profile_decode.py): KESTREL_PROFILE_ABLATE=decode, =prologue, =decode,prologue, =norm, =silu,
-  # =merge (the Triton kernel's; with KESTREL_CLUSTER_DECODE=0), =cluster_merge time the step with that work taken
+  # =cluster_merge time the step with that work taken
   # out (garbage tokens), to see what the rest costs without it.
   # KESTREL_PDL=0 (+26% on the 0.6B, three times; +1.5% on the 8B in session 9) left earlier. The default list
-  # re-measures the reference points: the fused argmax off on both models, 16-key decode tiles (-0.4%, within
-  # noise) and the prologue's rotary loads before its wait (-0.5% in session 6).
-  for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0 KESTREL_DECODE_BLOCK_N=16 \
-      KESTREL_PROLOGUE_PREFETCH=1}; do
+  # re-measures the reference point: the fused argmax off on both models.
+  for ab in ${PROFILE_AB:-KESTREL_FUSED_ARGMAX=0 llama-3.1-8b@KESTREL_FUSED_ARGMAX=0}; do
     model=qwen3-0.6b; switch=$ab
     [[ $ab == *@* ]] && model=${ab%%@*} && switch=${ab#*@}
     echo "--- $model $switch" | tee -a "$LOG"

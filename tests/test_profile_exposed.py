@@ -88,21 +88,6 @@ def test_profile_ablations_take_the_folded_norm_and_silu_out_of_the_skinny_matmu
     torch.testing.assert_close(no_silu(gate_up, w_down), gate_up[:, :32] @ w_down.T, rtol=1e-4, atol=1e-4)
 
 
-def test_profile_ablation_of_the_decode_merge_leaves_the_partials_unmerged():
-    """`merge`: decode's compile-time MERGE is off and the second launch that would merge instead does nothing."""
-    import torch
-
-    from benchmarks.profile_decode import ablations
-    from kestrel.attention import triton_kernels
-    patches = ablations("merge")
-    assert [(mod, attr) for mod, attr, _ in patches] == [(triton_kernels, "merge_in_kernel"),
-                                                       (triton_kernels, "decode_reduce")]
-    merge_in_kernel, decode_reduce = (stand_in for _, _, stand_in in patches)
-    assert merge_in_kernel() is False
-    out = torch.zeros(1, 2, 8)
-    assert decode_reduce(None, None, out, 4, {}, {}) is None and not out.any()
-
-
 def test_profile_ablation_of_the_cluster_merge_builds_the_kernel_without_it():
     """`cluster_merge`: the cluster decode kernel is built with MERGE=0 (its programs never read a peer)."""
     from benchmarks.profile_decode import ablations

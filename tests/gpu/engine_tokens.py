@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from kestrel import LLM, SamplingParams
+from kestrel.envs import switches
 
 PROMPTS = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint(",
            "class Stack:\n    def __init__(self):"]
@@ -12,6 +13,7 @@ def greedy_tokens(path: str | None, monkeypatch, env: dict[str, str], max_tokens
     """PROMPTS through a fresh engine (graphs up to batch 8) with `env` set; path None = the default model."""
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    switches.cache_clear()   # the engine reads them at its start
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     llm = LLM(model=path, device="cuda", cuda_graph_max_bs=8, max_num_seqs=8, **kw)
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
