@@ -18,10 +18,11 @@ from pathlib import Path
 
 import torch
 
+from kestrel.envs import switches
+
 CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
 CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES = 3
-CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT = 9
 CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED = 14
 CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION = 4
 CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION = 6
@@ -47,8 +48,7 @@ def nvrtc() -> ctypes.CDLL:
     candidates = ["libnvrtc.so.13", "libnvrtc.so.12", "libnvrtc.so"]
     for root in sys.path:
         candidates += sorted(glob.glob(os.path.join(root, "nvidia", "*", "lib", "libnvrtc.so.*[0-9]")))
-    cuda_home = os.environ.get("CUDA_HOME", "/usr/local/cuda")
-    candidates += sorted(glob.glob(os.path.join(cuda_home, "lib64", "libnvrtc.so*")))
+    candidates += sorted(glob.glob(os.path.join(switches().cuda_home, "lib64", "libnvrtc.so*")))
     for name in candidates:
         if "builtins" in name:
             continue
@@ -169,19 +169,6 @@ def _make_primary_context_current(device_index: int) -> None:
     _check(_driver().cuCtxSetCurrent(context), "cuCtxSetCurrent")
 
 
-def shared_memory_carveout() -> int | None:
-    """KESTREL_CUDA_CARVEOUT: the share (percent) of each SM's unified L1 / shared memory that every kernel
-    loaded here asks to be shared memory, or None (unset or "auto": the driver picks per kernel). An A/B: the
-    suspicion was that kernels given different splits cannot share an SM while PDL overlaps them; on the 8B bs1
-    step one split for all measured +0.4% at 25 and +5.9% at 100 (session 17), so the driver keeps choosing."""
-    value = os.environ.get("KESTREL_CUDA_CARVEOUT", "auto").strip()
-    if value in ("", "auto"):
-        return None
-    if not value.isdigit() or int(value) > 100:
-        raise ValueError(f"KESTREL_CUDA_CARVEOUT must be 'auto' or a percent 0-100, got {value!r}")
-    return int(value)
-
-
 _loaded: list["Kernel"] = []   # every kernel loaded in this process, for benchmarks that report what ran
 
 
@@ -202,10 +189,6 @@ class Kernel:
             if non_portable_cluster:
                 _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED,
                                                     1), "cuFuncSetAttribute")
-            carveout = shared_memory_carveout()
-            if carveout is not None:
-                _check(_driver().cuFuncSetAttribute(function, CU_FUNC_ATTRIBUTE_PREFERRED_SHARED_MEMORY_CARVEOUT,
-                                                    carveout), "cuFuncSetAttribute")
         self.module, self.function, self.compiled, self.name = module, function, compiled, name
         _loaded.append(self)
 

@@ -87,6 +87,16 @@ def make_tokenizer():
                                    chat_template=CHAT_TEMPLATE)
 
 
+@pytest.fixture(autouse=True)
+def _switches_from_this_tests_environment():
+    """kestrel/envs.py reads the developer switches once per process; each test reads them from its own
+    environment (a monkeypatched one included), and leaves none cached for the next."""
+    from kestrel.envs import switches
+    switches.cache_clear()
+    yield
+    switches.cache_clear()
+
+
 @pytest.fixture(scope="session")
 def checkpoint_factory(tmp_path_factory):
     cache: dict[tuple, Path] = {}

@@ -67,10 +67,7 @@ CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, qk_norm): every 
 
 @interpreted_only
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype,qk_norm", CASES)
-@pytest.mark.parametrize("prefetch", ["0", "1"])   # KESTREL_PROLOGUE_PREFETCH: rotary loads before the PDL wait
-def test_kernel_matches_reference_q_and_cache(num_kv_heads, group, head_dim, block_size, dtype, qk_norm, prefetch,
-                                              monkeypatch):
-    monkeypatch.setenv("KESTREL_PROLOGUE_PREFETCH", prefetch)
+def test_kernel_matches_reference_q_and_cache(num_kv_heads, group, head_dim, block_size, dtype, qk_norm):
     from kestrel.layers.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
     num_heads = num_kv_heads * group
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots = prologue_inputs(

@@ -11,6 +11,7 @@ import torch
 
 from kestrel import cuda_rtc
 from kestrel.attention import cluster_decode
+from kestrel.envs import switches
 
 needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 
@@ -77,23 +78,12 @@ def test_the_tensor_core_build_reads_its_tiles_before_the_wait():
 
 @needs_nvrtc
 @pytest.mark.parametrize("tensor_cores", [True, False])
-def test_the_late_signal_lets_the_next_kernel_launch_only_after_the_first_keys(monkeypatch, tensor_cores):
-    # KESTREL_CLUSTER_DECODE_SIGNAL=attend: launch_dependents after the first attend (its MMAs or its q . k), not
-    # right after the wait; the default build signals before any work past the wait
-    monkeypatch.delenv("KESTREL_CLUSTER_DECODE_SIGNAL", raising=False)
+def test_the_next_kernel_may_launch_right_after_the_wait(tensor_cores):
+    # launch_dependents once, right after griddepcontrol.wait and before any work past it (its MMAs or its q . k)
     work = "mma.sync" if tensor_cores else "shfl.sync"
     ptx = cluster_decode.compile_kernel(4, 128, 8, 16, "sm_90", True, tensor_cores=tensor_cores).ptx
     wait, signal = ptx.index("griddepcontrol.wait"), ptx.index("griddepcontrol.launch_dependents")
-    assert wait < signal < ptx.index(work, wait)
-    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_SIGNAL", "attend")
-    late = cluster_decode.compile_kernel(4, 128, 8, 16, "sm_90", True, tensor_cores=tensor_cores)
-    assert late.spill_bytes() == 0, late.log
-    wait, signal = late.ptx.index("griddepcontrol.wait"), late.ptx.index("griddepcontrol.launch_dependents")
-    assert late.ptx.count("griddepcontrol.launch_dependents") == 1
-    assert wait < late.ptx.index(work, wait) < signal < late.ptx.index("barrier.cluster.arrive.release")
-    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_SIGNAL", "later")
-    with pytest.raises(ValueError, match="wait or attend"):
-        cluster_decode.late_signal()
+    assert ptx.count("griddepcontrol.launch_dependents") == 1 and wait < signal < ptx.index(work, wait)
 
 
 def test_the_tensor_core_build_is_on_from_a_group_of_4_and_never_at_head_dim_256(monkeypatch):
@@ -101,11 +91,14 @@ def test_the_tensor_core_build_is_on_from_a_group_of_4_and_never_at_head_dim_256
     assert cluster_decode.mma(4, 128) and cluster_decode.mma(8, 64)                  # Llama-3.1-8B: group 4
     assert not cluster_decode.mma(2, 128) and not cluster_decode.mma(4, 256)         # Qwen3-0.6B: group 2
     monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "1")
+    switches.cache_clear()
     assert cluster_decode.mma(2, 128) and cluster_decode.mma(1, 64) and not cluster_decode.mma(8, 256)
     monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "0")
+    switches.cache_clear()
     assert not cluster_decode.mma(4, 128)
     monkeypatch.setenv("KESTREL_CLUSTER_DECODE_MMA", "yes")
-    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE_MMA=yes"):
+    switches.cache_clear()
+    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE_MMA='yes'"):
         cluster_decode.mma(4, 128)
     assert cluster_decode.defines(4, 128, 8, 16, True, 4, True, 2)["MMA"] == 1
     assert "MMA" not in cluster_decode.defines(4, 128, 8, 16, True, 8)
@@ -121,21 +114,11 @@ def test_the_kernel_is_on_by_default_but_never_on_cpu(monkeypatch):
     q = torch.zeros(1, 16, 128, dtype=torch.bfloat16)
     cache = torch.zeros(4, 16, 8, 128, dtype=torch.bfloat16)
     monkeypatch.delenv("KESTREL_CLUSTER_DECODE", raising=False)
-    assert cluster_decode.cluster_size() == 8 and not cluster_decode.usable(q, cache, cache, 1)   # CPU tensors
+    assert switches().cluster_decode and not cluster_decode.usable(q, cache, cache, 1)   # CPU tensors
     monkeypatch.setenv("KESTREL_CLUSTER_DECODE", "0")
-    assert cluster_decode.cluster_size() == 0
-    monkeypatch.setenv("KESTREL_CLUSTER_DECODE", "3")
-    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE=3"):
-        cluster_decode.cluster_size()
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
-def test_the_timeline_build_only_adds_clock_reads(tensor_cores):
-    """STAMPS=1 (clock reads per segment, for timing the kernel) builds without spills; the default build reads no
-    clock."""
-    kw = dict(index64=True, tensor_cores=tensor_cores)
-    stamped = cluster_decode.compile_kernel(4, 128, 8, 16, extra={"STAMPS": 1}, **kw)
-    assert stamped.spill_bytes() == 0 and stamped.ptx.count("%clock64") >= 8 and "%globaltimer" in stamped.ptx
-    plain = cluster_decode.compile_kernel(4, 128, 8, 16, **kw)
-    assert "%clock64" not in plain.ptx and "%globaltimer" not in plain.ptx
+    switches.cache_clear()
+    assert not switches().cluster_decode
+    monkeypatch.setenv("KESTREL_CLUSTER_DECODE", "8")   # on or off only: the programs a kv head are CLUSTER
+    switches.cache_clear()
+    with pytest.raises(ValueError, match="KESTREL_CLUSTER_DECODE='8'"):
+        cluster_decode.usable(q, cache, cache, 1)

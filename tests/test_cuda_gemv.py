@@ -49,64 +49,47 @@ def test_builds_for_hopper_without_spills_and_only_weights_before_the_wait(layer
 
 @needs_nvrtc
 @pytest.mark.parametrize("layer", list(LAYERS_8B))
-def test_the_stamped_build_fits_the_same_registers_and_the_production_build_reads_no_clock(layer):
-    # the STAMPS build times the production kernels' schedule: it must not spill or lose its two blocks an SM,
-    # and the build the engine runs must carry none of it
-    n, k, norm, silu = LAYERS_8B[layer]
-    config = cuda_gemv.default_config(n, k, silu)
-    rope = cuda_gemv.RopeShape(128, 32, 8) if layer == "qkv" else None
-    stamped = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope, stamps=True)
-    plain = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope)
-    assert stamped.spill_bytes() == 0 and 0 < stamped.registers() <= 128, stamped.log
-    assert "%globaltimer" in stamped.ptx and "%globaltimer" not in plain.ptx and "%clock64" not in plain.ptx
-
-
-@needs_nvrtc
-@pytest.mark.parametrize("prewait", [True, False])
-@pytest.mark.parametrize("layer", list(LAYERS_8B))
-def test_the_bulk_copied_activation_builds_and_copies_after_the_wait(layer, prewait):
-    # KESTREL_CUDA_GEMV_TMA_X: x (and the residual) arrive by one bulk copy into shared memory, issued after
+def test_the_bulk_copied_activation_builds_and_copies_after_the_wait(layer):
+    # TMA_X, the one-row build: x (and the residual) arrive by one bulk copy into shared memory, issued after
     # griddepcontrol.wait (the previous kernel writes them); the dot products then read shared memory only
     n, k, norm, silu = LAYERS_8B[layer]
     config = cuda_gemv.default_config(n, k, silu)
     rope = cuda_gemv.RopeShape(128, 32, 8) if layer == "qkv" else None
-    built = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope,
-                                     stage=cuda_gemv.Staging(tma_x=True, prewait=prewait))
+    built = cuda_gemv.compile_kernel(k, config, 1, norm, silu, rope=rope, tma_x=True)
     assert built.spill_bytes() == 0 and 0 < built.registers() <= 128, built.log
     wait = built.ptx.index("griddepcontrol.wait")
     assert "cp.async.bulk" not in built.ptx[:wait] and "cp.async.bulk.shared" in built.ptx[wait:]
     assert not any(op.startswith("ld.global.v4") for op in _loads(built.ptx))   # x is never read from global
-    before = _loads(built.ptx[:wait])[STREAM]
-    assert before == (config.rows * (2 if silu else 1) * config.u if prewait else 0)
+    assert _loads(built.ptx[:wait])[STREAM] == config.rows * (2 if silu else 1) * config.u   # the first step's
     # the price: a row of x (and the residual, with the norm) in shared memory, which ptxas reports
     assert built.shared_bytes() >= k * 2 * (2 if norm else 1), built.log
     with pytest.raises(AssertionError):
-        cuda_gemv.compile_kernel(k, config, 2, norm, silu, stage=cuda_gemv.Staging(tma_x=True))
+        cuda_gemv.compile_kernel(k, config, 2, norm, silu, tma_x=True)
 
 
-def test_the_shared_memory_carveout_switch_is_a_percent_or_auto(monkeypatch):
-    monkeypatch.delenv("KESTREL_CUDA_CARVEOUT", raising=False)
-    assert cuda_rtc.shared_memory_carveout() is None
-    for value, expected in (("auto", None), ("100", 100), ("0", 0), (" 25 ", 25)):
-        monkeypatch.setenv("KESTREL_CUDA_CARVEOUT", value)
-        assert cuda_rtc.shared_memory_carveout() == expected
-    for bad in ("101", "-1", "half"):
-        monkeypatch.setenv("KESTREL_CUDA_CARVEOUT", bad)
-        with pytest.raises(ValueError, match="KESTREL_CUDA_CARVEOUT"):
-            cuda_rtc.shared_memory_carveout()
+def test_the_bulk_copy_serves_one_aligned_row():
+    x = torch.zeros(2, 4096 + 8, dtype=torch.bfloat16)
+    assert cuda_gemv.use_bulk_copy(1, x[:1], None) and cuda_gemv.use_bulk_copy(1, x[:1], x[1:])
+    assert not cuda_gemv.use_bulk_copy(2, x, None)                      # two rows: read from global
+    assert not cuda_gemv.use_bulk_copy(1, x[:1, 1:], None)              # not 16-byte aligned
+    assert not cuda_gemv.use_bulk_copy(1, x[:1], x[1:, 1:])
+
+
+def _blocks_per_sm(registers: int, threads: int, shared_bytes: int) -> int:
+    """Resident blocks of one kernel on an H100/H200 SM: 64K registers (8 a thread at a time, rounded up),
+    228 KB of shared memory (1 KB a block reserved), at most 2,048 threads."""
+    by_registers = 65536 // (-(-registers // 8) * 8 * threads)
+    return min(by_registers, 233472 // (shared_bytes + 1024), 2048 // threads)
 
 
 @needs_nvrtc
 def test_the_long_row_default_fits_one_wave_on_the_h200():
-    # down on one row a warp is 512 blocks: one wave only at 4 blocks an SM (132 x 4 = 528), which its production
-    # build's registers allow and its STAMPS build's do not
+    # down on one row a warp is 512 blocks: one wave only at 4 blocks an SM (132 x 4 = 528), which its build's
+    # registers must allow
     config = cuda_gemv.default_config(4096, 14336)
     blocks = 4096 // (config.rows * config.warps)
-    built = cuda_gemv.compile_kernel(14336, config, 1, False, False, stage=cuda_gemv.Staging(tma_x=True))
-    assert blocks_per_sm(built.registers(), 32 * config.warps, built.shared_bytes()) * 132 >= blocks == 512
-    stamped = cuda_gemv.compile_kernel(14336, config, 1, False, False, stamps=True,
-                                       stage=cuda_gemv.Staging(tma_x=True))
-    assert blocks_per_sm(stamped.registers(), 32 * config.warps, stamped.shared_bytes()) * 132 < blocks
+    built = cuda_gemv.compile_kernel(14336, config, 1, False, False, tma_x=True)
+    assert _blocks_per_sm(built.registers(), 32 * config.warps, built.shared_bytes()) * 132 >= blocks == 512
 
 
 def blocks_per_sm(registers: int, threads: int, shared_bytes: int) -> int:

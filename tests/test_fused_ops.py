@@ -77,6 +77,8 @@ def test_pdl_is_off_on_cpu_and_under_the_env_switch(monkeypatch):
     """PDL launch options only on a CUDA device of compute capability >= 9 (tests/gpu/test_pdl_gpu.py checks
     that side); on CPU the kernels get USE_PDL=False and no launch_pdl keyword."""
     from kestrel.layers.pdl import launch_options, pdl_enabled
+    from kestrel.envs import switches
     assert launch_options(torch.device("cpu")) == {"USE_PDL": False}
     monkeypatch.setenv("KESTREL_PDL", "0")
+    switches.cache_clear()
     assert not pdl_enabled(torch.device("cuda"))   # decided before any CUDA call

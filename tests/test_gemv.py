@@ -142,18 +142,12 @@ def test_whole_slice_config_reads_each_programs_weights_in_one_step(n, k, blocks
 
 
 @pytest.mark.skipif(INTERPRETED, reason="the interpreter has its own small-tile config")
-@pytest.mark.parametrize("mode,whole_at_m", [(None, {1: True, 4: True, 8: False}), ("0", {1: False, 8: False}),
-                                             ("all", {1: True, 8: True})])
-def test_whole_slice_is_the_broadcast_paths_default(monkeypatch, mode, whole_at_m):
-    """Measured on the H200 at one row (0.852 -> 0.764 ms per 0.6B step): on by default for M <= BROADCAST_MAX_M;
-    KESTREL_GEMV_WHOLE_SLICE=0 turns it off, =all extends it to the tensor-core path."""
-    if mode is None:
-        monkeypatch.delenv("KESTREL_GEMV_WHOLE_SLICE", raising=False)
-    else:
-        monkeypatch.setenv("KESTREL_GEMV_WHOLE_SLICE", mode)
-    for m, whole in whole_at_m.items():
+def test_whole_slice_is_the_broadcast_paths_default():
+    """Measured on the H200 at one row (0.852 -> 0.764 ms per 0.6B step): whole slices for M <= BROADCAST_MAX_M,
+    K steps of ~TILE_ELEMENTS on the tensor-core path."""
+    for m, whole in {1: True, 4: True, 8: False}.items():
         assert gemv.default_config(m, 4096, 1024) == gemv.table_config(m, 4096, 1024, whole_slice=whole)
-    assert (gemv.default_config(1, 4096, 1024).block_k == 1024) == whole_at_m[1]   # qkv of the 0.6B: one step
+    assert gemv.default_config(1, 4096, 1024).block_k == 1024   # qkv of the 0.6B: one step
 
 
 # ------------------------------------------------------------------------------------------------ kernels
@@ -202,11 +196,9 @@ def test_silu_mul_gemv_kernel_matches_reference(path, dtype, m, with_bias):
 
 @pytest.mark.parametrize("path,one_pass", [("broadcast", False), ("dot", False), ("dot-fold4", False),
                                            ("broadcast-whole-k", True)])
-def test_add_rms_norm_reads_x_once_where_k_is_one_broadcast_tile(monkeypatch, path, one_pass):
+def test_add_rms_norm_reads_x_once_where_k_is_one_broadcast_tile(path, one_pass):
     """The whole-k broadcast path above runs the one-pass norm, the others two passes; both meet the reference."""
     assert gemv.one_pass_norm(PATHS[path], K) is one_pass
-    monkeypatch.setenv("KESTREL_GEMV_ONE_PASS_NORM", "0")
-    assert not gemv.one_pass_norm(PATHS[path], K)
 
 
 @interpreted_only

@@ -93,13 +93,7 @@ def test_unpadded_store_kv_equals_the_filtering_one():
 @interpreted_only
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
-# merge in the split launch or in a second launch; prefetch: the first tile read before the PDL wait, the newest
-# token's row after it (KESTREL_DECODE_PREFETCH)
-@pytest.mark.parametrize("merge,prefetch", [("atomic", "0"), ("reduce", "0"), ("atomic", "1")])
-def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype,
-                                                     num_splits, merge, prefetch, monkeypatch):
-    monkeypatch.setenv("KESTREL_DECODE_MERGE", merge)
-    monkeypatch.setenv("KESTREL_DECODE_PREFETCH", prefetch)
+def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
     from kestrel.attention import torch_ref, triton_kernels
     gen = torch.Generator().manual_seed(head_dim * block_size + group)
     kv_lens = [1, 17, 75]    # 75 tokens span several 16-token tiles and every one of 3 splits
@@ -130,9 +124,7 @@ def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
 
 @interpreted_only
 @pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float16), (8, torch.bfloat16)])
-@pytest.mark.parametrize("prefetch", ["0", "1"])
-def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(group, dtype, prefetch, monkeypatch):
-    monkeypatch.setenv("KESTREL_DECODE_PREFETCH", prefetch)
+def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(group, dtype):
     from kestrel.attention import torch_ref, triton_kernels
     gen = torch.Generator().manual_seed(8 + group)
     num_kv_heads, head_dim = 2, 64
@@ -157,11 +149,10 @@ def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(grou
 
 @interpreted_only
 @pytest.mark.parametrize("kv_len", [1, 16, 17, 40])
-def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len, monkeypatch):
-    """With KESTREL_DECODE_PREFETCH the first tile is read without the newest token's row (on the GPU the kernel
-    before decode is still writing it) and that row is read after the wait and put back; here it dominates the
-    scores and values, so an answer without it, or with it twice, differs from the reference."""
-    monkeypatch.setenv("KESTREL_DECODE_PREFETCH", "1")
+def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len):
+    """The first tile is read before the PDL wait without the newest token's row (on the GPU the kernel before
+    decode is still writing it) and that row is read after the wait and put back; here it dominates the scores
+    and values, so an answer without it, or with it twice, differs from the reference."""
     from kestrel.attention import torch_ref, triton_kernels
     gen = torch.Generator().manual_seed(kv_len)
     k_cache, v_cache, table = random_paged_cache([kv_len], 2, 64, 4, torch.float32, gen)

@@ -11,8 +11,6 @@ query token to every cached token of its sequence at or before its own position:
     query i of sequence s sits at position kv_lens[s] - query_len[s] + i.
 A model whose fused attention prologue (layers/attention_prologue.py) has already written the step's K/V passes
 k = v = None instead; only backends whose supports_prewritten_kv() is True are handed that.
-A backend whose decodes_from_qkv() is True also takes a decode step's projected qkv itself (decode_from_qkv): the
-prologue and the decode attention in one launch (attention/fused_decode.py; experiment, KESTREL_FUSED_DECODE_PROLOGUE=1).
 """
 from __future__ import annotations
 
@@ -53,28 +51,3 @@ class AttentionBackend(ABC):
     def supports_prewritten_kv(self) -> bool:
         """True if forward() accepts k = v = None, the K/V having been written at slot_mapping by the model."""
         return False
-
-    def decodes_from_qkv(self) -> bool:
-        """True if decode_from_qkv() may be called for decode batches instead of the prologue then forward()."""
-        return False
-
-    def decode_from_qkv(
-        self,
-        qkv: torch.Tensor,                # [S, (num_heads + 2 * num_kv_heads) * head_dim], one token per sequence
-        q_norm_w: torch.Tensor | None,    # [head_dim] per-head RMSNorm weights (Qwen3), or None
-        k_norm_w: torch.Tensor | None,
-        eps: float,
-        positions: torch.Tensor,          # [S] int64
-        cos_sin_cache: torch.Tensor,      # [max_position, head_dim] = [cos | sin] fp32
-        k_cache: torch.Tensor,            # [num_blocks, block_size, num_kv_heads, head_dim]
-        v_cache: torch.Tensor,
-        batch: ForwardBatch,              # a decode batch (is_decode)
-        num_heads: int,
-        num_kv_heads: int,
-        head_dim: int,
-        scale: float,
-    ) -> torch.Tensor:                    # [S, num_heads, head_dim]
-        """What the attention prologue (layers/attention_prologue.py: q/k norm, rotary, K/V write at
-        batch.slot_mapping) followed by forward(q, None, None, ...) computes, for a decode batch; only called when
-        decodes_from_qkv() is True."""
-        raise NotImplementedError(f"the {self.name} backend does not decode from qkv")

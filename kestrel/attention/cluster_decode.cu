@@ -1,7 +1,7 @@
 // Decode attention whose context splits meet in a thread-block cluster (Hopper), compiled by NVRTC at first use
 // (cluster_decode.py). The Triton decode kernel merges its splits through global memory: partial stores, a
 // release fence, a counter atomic and a round of L2 loads by the last split (2.25 us a layer on the Qwen3-0.6B
-// bs1 step, BENCHMARKS.md session 10). Here the CLUSTER programs of one (sequence, kv head) each hold their
+// bs1 step). Here the CLUSTER programs of one (sequence, kv head) each hold their
 // partial in shared memory, and after one cluster barrier each reads its share of the output's elements from
 // every peer's shared memory (distributed shared memory): no global scratch, no atomics, no fence to L2.
 //
@@ -42,8 +42,8 @@
 //           HEAD_DIM / 16), and byte permutes pair two keys' values of one dim into a fragment register; m-tile
 //           i's rows r and r + 8 are dims 2 * MT * r + i and 2 * MT * r + MT + i.
 //
-// The CUDA-core path spends most of its time on arithmetic at bs1 (benchmarks/decode_timeline.py: 3.2 us of
-// q . k, shuffles and p . v after the wait at a group of 4, against 1.8 us at 2); the tensor cores take it.
+// The CUDA-core path spends most of its time on arithmetic at bs1 (3.2 us of q . k, shuffles and p . v after the
+// wait at a group of 4, against 1.8 us at 2); the tensor cores take it.
 //
 // PDL: before griddepcontrol.wait only what no kernel of this step writes is read (kv_lens, the block table, the
 // K/V of every key but the newest, which the attention prologue writes just before this kernel). q and the caches
@@ -53,45 +53,11 @@
 #ifndef MERGE
 #define MERGE 1
 #endif
-#ifndef STAMPS
-#define STAMPS 0
-#endif
 #ifndef MMA
 #define MMA 0
 #endif
-#ifndef LATE_SIGNAL
-#define LATE_SIGNAL 0
-#endif
-// STAMPS=1 (benchmarks/decode_timeline.py only): thread 0 of each program records clock64() at NUM_STAMPS points
-// (entry, after the wait, after the first attend step, after the later chunks, after the slot merge, after the
-// first cluster barrier, after the output stores, at the end) and %globaltimer at entry and end, into the extra
-// last argument stamps[program][NUM_STAMPS + 2].
-#define NUM_STAMPS 8
-#if STAMPS
-#define STAMP(i) do { if (threadIdx.x == 0) clocks[i] = clock64(); } while (0)
-#else
-#define STAMP(i) do { } while (0)
-#endif
 
 #include "kestrel_cuda.cuh"
-
-// LATE_SIGNAL=1 (KESTREL_CLUSTER_DECODE_SIGNAL=attend): the next kernel (o_proj) may launch only once every
-// program has attended to its first keys, not right after the wait. Its blocks issue their first weight loads
-// before their own wait; on an SM they share with a decode program, the program's loads after its wait (q, the
-// newest key's tile) can queue behind them.
-__device__ __forceinline__ void wait_then_maybe_signal() {
-#if LATE_SIGNAL
-  pdl_wait();
-#else
-  pdl_wait_then_signal();
-#endif
-}
-
-__device__ __forceinline__ void signal_if_late() {
-#if LATE_SIGNAL
-  pdl_signal();
-#endif
-}
 
 #if INDEX64
 typedef long long index_t;
@@ -353,17 +319,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
                long long stride_qs, long long stride_qh,
                long long stride_kb, long long stride_ko, long long stride_kh,
                long long stride_vb, long long stride_vo, long long stride_vh,
-               long long stride_bt, long long stride_os, long long stride_oh
-#if STAMPS
-               , long long* stamps
-#endif
-               ) {
-#if STAMPS
-  long long clocks[NUM_STAMPS];
-  unsigned long long wall_start;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(wall_start));
-#endif
-  STAMP(0);
+               long long stride_bt, long long stride_os, long long stride_oh) {
   __shared__ float slot_acc[SLOTS][GROUP][ACC_ROW];
   __shared__ float slot_m[SLOTS][GROUP];
   __shared__ float slot_l[SLOTS][GROUP];
@@ -394,8 +350,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     load_tile(table, k_head, v_head, stride_kb, stride_ko, stride_vb, stride_vo, first + t * stride, end, newest,
               false, r, c, tiles[t]);
 
-  wait_then_maybe_signal();
-  STAMP(1);
+  pdl_wait_then_signal();
 
   Vec q[K_VECS];   // head r (zeros past GROUP), dims 32 j + 8 c
   {
@@ -419,8 +374,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
 #pragma unroll
     for (int e = 0; e < 4; ++e) acc[i][e] = 0.f;
   attend_tiles(q, tiles, first, stride, end, scale_log2, c, m, l, acc);
-  STAMP(2);
-  signal_if_late();
   // Longer slices: TILES tiles a warp at a time, read after the wait (program-uniform bound).
   for (int chunk = start + TILES * stride; chunk < end; chunk += TILES * stride) {
 #pragma unroll
@@ -429,7 +382,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
                 chunk + TILE_KEYS * warp + t * stride, end, newest, true, r, c, tiles[t]);
     attend_tiles(q, tiles, chunk + TILE_KEYS * warp, stride, end, scale_log2, c, m, l, acc);
   }
-  STAMP(3);
 
   // Warps -> program: the warp's partial into its slot. Lane (r, c) holds heads 2c, 2c + 1 at dims
   // 2 MT r + i (acc[i][0], [1]) and 2 MT r + MT + i (acc[i][2], [3]); head r's sum is spread over its quad.
@@ -457,8 +409,7 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
              k[i], v[i]);
   }
 
-  wait_then_maybe_signal();
-  STAMP(1);
+  pdl_wait_then_signal();
 
   float q[GROUP][DIMS_PER_LANE];
 #pragma unroll
@@ -488,8 +439,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     for (int e = 0; e < DIMS_PER_LANE; ++e) acc[g][e] = 0.f;
   }
   attend(q, k, v, start + slot, end, m, l, acc);
-  STAMP(2);
-  signal_if_late();
   // Longer slices: PREFETCH keys a slot at a time, read after the wait (the loop bound is the same for the whole
   // program, so every lane of a slot reaches the shuffles).
   for (int base = start + PREFETCH * SLOTS; base < end; base += PREFETCH * SLOTS) {
@@ -500,7 +449,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     }
     attend(q, k, v, base + slot, end, m, l, acc);
   }
-  STAMP(3);
 
   // Slots -> program.
 #pragma unroll
@@ -540,10 +488,8 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
   return;
 #endif
   // Programs -> output, through the peers' shared memory.
-  STAMP(4);
   cluster_arrive();
   cluster_wait();
-  STAMP(5);
   for (int idx = threadIdx.x; idx < OUT_PER_PROGRAM; idx += THREADS) {
     const int e = rank * OUT_PER_PROGRAM + idx;
     const int g = e / HEAD_DIM, d = e % HEAD_DIM;
@@ -573,20 +519,8 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     }
     out_ptr[seq * stride_os + (kv_head * GROUP + g) * stride_oh + d] = to_bf16(result);
   }
-  STAMP(6);
   // No program leaves while a peer may still read its shared memory. Every peer value was used above, so every
   // read has completed; a relaxed arrive does not make the output stores wait to become visible first.
   cluster_arrive_relaxed();
   cluster_wait();
-  STAMP(7);
-#if STAMPS
-  if (threadIdx.x == 0) {
-    unsigned long long wall_end;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(wall_end));
-    long long* row = stamps + (blockIdx.y * gridDim.x + blockIdx.x) * (NUM_STAMPS + 2);
-    for (int i = 0; i < NUM_STAMPS; ++i) row[i] = clocks[i];
-    row[NUM_STAMPS] = (long long)wall_start;
-    row[NUM_STAMPS + 1] = (long long)wall_end;
-  }
-#endif
 }

@@ -2,33 +2,32 @@
 
 The Triton decode kernel (triton_kernels.py) merges its splits through global memory. Its last split program
 pays for the partial stores, a release fence, the counter atomic and a round of L2 loads before the output
-exists. On the Qwen3-0.6B bs1 step that merge costs 2.25 us a layer (KESTREL_PROFILE_ABLATE=merge, session 10).
-Triton 3.6 cannot reach distributed shared memory, so this kernel is CUDA C++, compiled by NVRTC at first use
-(cuda_rtc.py) and launched with a cluster shape and PDL.
+exists: 2.25 us a layer on the Qwen3-0.6B bs1 step (timed by taking the merge out). Triton 3.6 cannot reach
+distributed shared memory, so this kernel is CUDA C++, compiled by NVRTC at first use (cuda_rtc.py) and launched
+with a cluster shape and PDL.
 
-It is the default for decode batches of at most MAX_SEQS sequences. On the H200 (session 11), against the
-Triton kernel in the same call: the Qwen3-0.6B bs1 step −3.7% and −4.9%; the Llama-3.1-8B step −2.2%, +0.4%
-and −0.6% (its noise). KESTREL_CLUSTER_DECODE=N sets the programs a kv head (8 by default; 16 gained half as
-much); 0 turns it off. Other batches, dtypes and devices, and any machine where the kernel does not build, keep
-the Triton kernel.
+It is the default for decode batches of at most MAX_SEQS sequences (KESTREL_CLUSTER_DECODE=0 keeps the Triton
+kernel; kestrel/envs.py): on the H200, against the Triton kernel, the Qwen3-0.6B bs1 step −3.7% to −4.9%, the
+Llama-3.1-8B step within its noise. The CLUSTER programs of a kv head split its context (16 gained half as much as
+8). Other batches, dtypes and devices, and any machine where the kernel does not build, keep the Triton kernel.
 
 The kernel has two builds. On CUDA cores each key is split over 16 lanes and its scores are summed with
-shuffles; at bs1 that arithmetic was most of the kernel's time after the PDL wait (benchmarks/decode_timeline.py,
-session 14: 3.2 us at a group of 4). On tensor cores (KESTREL_CLUSTER_DECODE_MMA, by default for groups of 4 and
-more) a warp attends to 16-key tiles with mma.sync: 0.6 us, and the Llama-3.1-8B bs1 step −2.3 to −2.5%.
+shuffles; at bs1 that arithmetic was most of the kernel's time after the PDL wait (3.2 us at a group of 4). On
+tensor cores (KESTREL_CLUSTER_DECODE_MMA, by default for groups of 4 and more) a warp attends to 16-key tiles with
+mma.sync: 0.6 us, and the Llama-3.1-8B bs1 step −2.3 to −2.5%.
 """
 from __future__ import annotations
 
 import ctypes
 import functools
 import logging
-import os
 from pathlib import Path
 
 import torch
 
 from kestrel import cuda_rtc
 from kestrel.attention.triton_kernels import LOG2E
+from kestrel.envs import switches
 from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
 
 log = logging.getLogger(__name__)
@@ -36,32 +35,24 @@ PREFETCH = 8        # keys a slot reads before the PDL wait (groups up to 4): 12
                     # head at 8 programs; halved per doubling of the group past 4, so registers do not spill
 DIMS_PER_LANE = 8
 MAX_SEQS = 4        # measured at bs1 only; the Triton kernel keeps larger batches, whose grids fill the GPU anyway
+CLUSTER = 8         # programs a kv head (a cluster); the kernel also builds for 2, 4 and 16 (non-portable)
 SOURCE = Path(__file__).with_name("cluster_decode.cu")
-
-
-def cluster_size() -> int:
-    """Programs a kv head from KESTREL_CLUSTER_DECODE (default 8; 0: the kernel is off)."""
-    value = int(os.environ.get("KESTREL_CLUSTER_DECODE", "8"))
-    if value not in (0, 2, 4, 8, 16):
-        raise ValueError(f"KESTREL_CLUSTER_DECODE={value}: use 0 (off), 2, 4, 8 or 16")
-    return value
 
 
 def usable(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, num_seqs: int) -> bool:
     """True when this kernel handles the decode launch: switched on, a Hopper GPU, bf16, a head size that
     splits into 16-byte lane loads, at most 8 query heads a kv head, 16-byte aligned rows, and a small batch."""
-    cluster = cluster_size()
-    if cluster == 0 or num_seqs > MAX_SEQS or q.device.type != "cuda":
+    if not switches().cluster_decode or num_seqs > MAX_SEQS or q.device.type != "cuda":
         return False
     if not hopper_or_later(device_index(q.device)):
         return False
     if not (q.dtype == k_cache.dtype == v_cache.dtype == torch.bfloat16):
         return False
     head_dim, group = q.shape[2], q.shape[1] // k_cache.shape[2]
-    if head_dim not in (64, 128, 256) or group > 8 or (group * head_dim) % cluster:   # > 8: q and acc spill
+    if head_dim not in (64, 128, 256) or group > 8 or (group * head_dim) % CLUSTER:   # > 8: q and acc spill
         return False
     aligned = all(t.stride(-1) == 1 and all(s % 8 == 0 for s in t.stride()[:-1]) for t in (q, k_cache, v_cache))
-    return aligned and _builds(device_index(q.device), group, head_dim, cluster, k_cache.shape[1],
+    return aligned and _builds(device_index(q.device), group, head_dim, CLUSTER, k_cache.shape[1],
                                mma(group, head_dim), tiles(head_dim))
 
 
@@ -83,28 +74,25 @@ def _builds(device: int, group: int, head_dim: int, cluster: int, block_size: in
 def mma(group: int, head_dim: int) -> bool:
     """Whether decode runs on the tensor-core build (a warp attends to 16-key tiles with mma.sync), from
     KESTREL_CLUSTER_DECODE_MMA: 1 / 0, or auto (default) = groups of 4 and more. Never at head_dim 256, where a
-    tile's K, V and output fragments do not fit in registers. Measured on the H200 (session 14, same call): the
-    Llama-3.1-8B bs1 step (group 4) −2.5% and −2.3%; the Qwen3-0.6B step (group 2) +1.9% and +3.7%, although
-    its kernel alone is faster. There decode's exposed time grew 0.8 us a layer while its o_proj (a Triton
-    kernel) started earlier, beside decode's smaller programs; that overlap is the suspect, not yet proven."""
-    value = os.environ.get("KESTREL_CLUSTER_DECODE_MMA", "auto")
-    if value not in ("auto", "0", "1"):
-        raise ValueError(f"KESTREL_CLUSTER_DECODE_MMA={value}: use auto, 0 or 1")
+    tile's K, V and output fragments do not fit in registers. Measured on the H200: the Llama-3.1-8B bs1 step
+    (group 4) −2.5% and −2.3%; the Qwen3-0.6B step (group 2) +1.9% and +3.7%, although its kernel alone is
+    faster. There decode's exposed time grew 0.8 us a layer while its o_proj (a Triton kernel) started earlier,
+    beside decode's smaller programs; that overlap is the suspect, not yet proven."""
+    value = switches().cluster_decode_mma
     return head_dim <= 128 and (value == "1" or (value == "auto" and group >= 4))
 
 
 def tiles(head_dim: int) -> int:
-    """16-key tiles a warp holds at a time in the tensor-core build (KESTREL_CLUSTER_DECODE_TILES; default 2 at
-    head_dim 128: 128 keys a program before the wait, as the CUDA-core build's 8 warps; 1 at 64, where 2 spill)."""
-    return int(os.environ.get("KESTREL_CLUSTER_DECODE_TILES", "2" if head_dim == 128 else "1"))
+    """16-key tiles a warp holds at a time in the tensor-core build: 2 at head_dim 128 (128 keys a program before
+    the wait, as the CUDA-core build's 8 warps), 1 otherwise (at 64, 2 spill)."""
+    return 2 if head_dim == 128 else 1
 
 
 def num_warps(group: int, head_dim: int, tensor_cores: bool = False) -> int:
-    """Warps a program: KESTREL_CLUSTER_DECODE_WARPS (default 8 on CUDA cores: 16 slots of 16 lanes at head_dim
-    128, 128 keys read before the wait; on the Qwen3-0.6B bs1 step 8 warps measured -0.9% against 4, 2 warps
-    +5.6%; 4 on tensor cores, a warp a slot), halved until the slots' partials fit the 48 KB of static shared
-    memory (groups of 8 and more)."""
-    warps = int(os.environ.get("KESTREL_CLUSTER_DECODE_WARPS", "4" if tensor_cores else "8"))
+    """Warps a program: 8 on CUDA cores (16 slots of 16 lanes at head_dim 128, 128 keys read before the wait; on
+    the Qwen3-0.6B bs1 step 8 warps measured −0.9% against 4, 2 warps +5.6%), 4 on tensor cores (a warp a slot),
+    halved until the slots' partials fit the 48 KB of static shared memory (groups of 8 and more)."""
+    warps = 4 if tensor_cores else 8
     while warps > 1 and shared_bytes(warps, group, head_dim, tensor_cores) > 48 * 1024:
         warps //= 2
     return warps
@@ -123,37 +111,24 @@ def shared_bytes(warps: int, group: int, head_dim: int, tensor_cores: bool = Fal
     return 4 * group * ((slot_row + 2) * slots + head_dim + 2)
 
 
-def late_signal() -> bool:
-    """KESTREL_CLUSTER_DECODE_SIGNAL: when decode lets the next kernel launch (PDL). "wait" (default): right after
-    its own wait; "attend": after each program has attended to the keys it read before the wait, so that the
-    next kernel's early weight loads cannot delay the loads a program makes after its wait (cluster_decode.cu)."""
-    value = os.environ.get("KESTREL_CLUSTER_DECODE_SIGNAL", "wait")
-    if value not in ("wait", "attend"):
-        raise ValueError(f"KESTREL_CLUSTER_DECODE_SIGNAL={value}: use wait or attend")
-    return value == "attend"
-
-
 def defines(group: int, head_dim: int, cluster: int, block_size: int, index64: bool, warps: int,
             tensor_cores: bool = False, tile_count: int = 2) -> dict[str, int]:
     shape = dict(GROUP=group, HEAD_DIM=head_dim, CLUSTER=cluster, NUM_WARPS=warps, BLOCK_SIZE=block_size,
                  INDEX64=int(index64))
-    if late_signal():
-        shape["LATE_SIGNAL"] = 1
     if tensor_cores:
         return {**shape, "MMA": 1, "TILES": tile_count}
     return {**shape, "PREFETCH": prefetch(group), "DIMS_PER_LANE": DIMS_PER_LANE}
 
 
 def compile_kernel(group: int, head_dim: int, cluster: int, block_size: int, arch: str = "sm_90",
-                   index64: bool = False, warps: int | None = None, extra: dict[str, int] | None = None,
-                   tensor_cores: bool | None = None, tile_count: int | None = None) -> cuda_rtc.Compiled:
-    """extra: defines past the shape's (e.g. STAMPS=1 for benchmarks/decode_timeline.py). tensor_cores and
-    tile_count default to the environment's (mma(group, head_dim), tiles(head_dim))."""
+                   index64: bool = False, warps: int | None = None, tensor_cores: bool | None = None,
+                   tile_count: int | None = None) -> cuda_rtc.Compiled:
+    """tensor_cores and tile_count default to the engine's choice (mma(group, head_dim), tiles(head_dim))."""
     tensor_cores = mma(group, head_dim) if tensor_cores is None else tensor_cores
     warps = warps or num_warps(group, head_dim, tensor_cores)
     build = defines(group, head_dim, cluster, block_size, index64, warps, tensor_cores,
                     tile_count or tiles(head_dim))
-    return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch, {**build, **(extra or {})})
+    return cuda_rtc.compile_cubin(SOURCE.read_text(), "cluster_decode", arch, build)
 
 
 @functools.lru_cache(maxsize=None)
@@ -172,12 +147,11 @@ def decode_attention(
     block_table: torch.Tensor,   # [S, max_blocks] int32 or int64 (the graph step's buffers)
     kv_lens: torch.Tensor,       # [S], the block table's dtype, on the device; 0 for padded rows (output 0)
     scale: float,
-    cluster: int | None = None,
+    cluster: int = CLUSTER,
     tensor_cores: bool | None = None,
 ) -> torch.Tensor:
     """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
-    cluster and tensor_cores default to the environment's (cluster_size(), mma())."""
-    cluster = cluster or cluster_size()
+    cluster: programs a kv head (2, 4, 8 or 16); tensor_cores defaults to the engine's choice (mma())."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
     out = torch.empty_like(q)

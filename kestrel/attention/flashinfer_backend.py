@@ -17,7 +17,7 @@ from kestrel.errors import KestrelError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024
 # Head sizes FlashInfer 0.5 runs correctly. Its FA3 prefill (picked on Hopper) fails a static assertion in nvcc for
-# others (head_dim 16 on the H200, session 4), and its FA2 prefill faults or silently computes wrong results for
+# others (head_dim 16 on the H200), and its FA2 prefill faults or silently computes wrong results for
 # sizes not a multiple of 64 (flashinfer-ai/flashinfer#4299): refuse them with a clear error instead.
 SUPPORTED_HEAD_DIMS = (64, 128, 256)
 

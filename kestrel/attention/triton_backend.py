@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention import cluster_decode, fused_decode, triton_kernels
+from kestrel.attention import cluster_decode, triton_kernels
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch
 
@@ -17,8 +17,6 @@ class TritonAttentionBackend(AttentionBackend):
     head_dim are only known at the first decode forward, so the runner must run one eager decode step (its usual
     warm-up) after init_graph_buffers and before capturing.
 
-    With KESTREL_FUSED_DECODE_PROLOGUE=1 (an experiment, off by default) decode steps of models with the fused
-    attention prologue go through decode_from_qkv: prologue and decode attention in one launch (fused_decode.py).
     Small bf16 decode batches on Hopper go through cluster_decode.py instead (KESTREL_CLUSTER_DECODE=0 turns it
     off): CUDA C++ whose context splits of one kv head merge inside a thread-block cluster, with no scratch.
     """
@@ -52,18 +50,6 @@ class TritonAttentionBackend(AttentionBackend):
                                                    partials=partials)
         return triton_kernels.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale)
-
-    def decodes_from_qkv(self) -> bool:
-        return fused_decode.fused_decode_enabled()
-
-    def decode_from_qkv(self, qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache,
-                        batch: ForwardBatch, num_heads: int, num_kv_heads: int, head_dim: int,
-                        scale: float) -> torch.Tensor:
-        assert batch.is_decode and qkv.shape[0] == batch.num_seqs, "a decode batch: one query token per sequence"
-        partials = self._decode_partials(batch.num_seqs, num_heads, num_kv_heads, head_dim, qkv.device)
-        return fused_decode.decode_attention_from_qkv(
-            qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, batch.slot_mapping,
-            batch.block_table, batch.kv_lens, num_heads, num_kv_heads, head_dim, scale, partials=partials)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          device: torch.device) -> triton_kernels.DecodeScratch | None:

@@ -5,13 +5,10 @@ token p of sequence s lives at block_table[s, p // block_size], offset p % block
 
 The torch oracle for every kernel is kestrel/attention/torch_ref.py. On CPU tensors the kernels only run under
 Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); that is how the CPU tests run them.
-The decode program's body (_decode_split) is shared with fused_decode.py, the attention prologue + decode in one
-launch (experiment, KESTREL_FUSED_DECODE_PROLOGUE=1), which hands it the newest token's K/V row in registers.
 """
 from __future__ import annotations
 
 import math
-import os
 
 import torch
 import triton
@@ -143,33 +140,6 @@ def _attend_tile(
     return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
 
 
-@triton.jit
-def _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N: tl.constexpr):
-    """The K/V tile of keys n0 .. n0 + BLOCK_N - 1 with the row at position `newest` replaced by k_row, v_row
-    [BLOCK_D] (whatever was loaded there, if anything, is dropped)."""
-    is_newest = (n0 + tl.arange(0, BLOCK_N) == newest)[:, None]
-    return tl.where(is_newest, k_row[None, :].to(k.dtype), k), tl.where(is_newest, v_row[None, :].to(v.dtype), v)
-
-
-@triton.jit
-def _decode_tile(
-    q, m_i, l_i, acc, n0, kv_end, row_pos, newest, k_row, v_row,
-    table_row, k_base, v_base,
-    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-    dims, dim_mask, scale_log2,
-    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    NEWEST_GIVEN: tl.constexpr,
-):
-    """_attend_tile for a decode slice; with NEWEST_GIVEN the newest key's row (position `newest`) is k_row, v_row
-    from registers, never read from the cache (this launch writes it)."""
-    hi = tl.minimum(kv_end, newest) if NEWEST_GIVEN else kv_end
-    k, v = _load_kv_tile(n0, n0, hi, table_row, k_base, v_base, stride_kc_block, stride_kc_off,
-                         stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
-    if NEWEST_GIVEN:
-        k, v = _with_newest_row(k, v, n0, newest, k_row, v_row, BLOCK_N)
-    return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
-
-
 # ---------------------------------------------------------------------------------------------------------------
 # decode: flash-decoding with split-K, merged in the same launch
 # ---------------------------------------------------------------------------------------------------------------
@@ -185,7 +155,6 @@ def _decode_tile(
 #     then bumps counters[s, kv_head] (int32) with an acq_rel atomic; the program that sees used_splits - 1 is
 #     the last, merges all used splits' partials and writes the output (_merge_splits: one round of loads) and
 #     resets the counter to 0, so the scratch is ready for the next layer or graph replay.
-#     (KESTREL_DECODE_MERGE=reduce: no atomics; a second launch, _decode_reduce_kernel, merges instead.)
 #   kv_len == 0 (a padded row): split 0 writes zeros; no partials, no atomics.
 # No program ever waits on another (the last one to finish does the merge), so there is no forward-progress
 # hazard however the programs are scheduled; under the interpreter programs run in order and the last used split
@@ -256,18 +225,13 @@ def _decode_split(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, NEWEST_GIVEN: tl.constexpr,
-    k_first, v_first, PREFETCHED: tl.constexpr, k_row, v_row,
+    INTERPRET: tl.constexpr, BLOCK_S: tl.constexpr, k_first, v_first,
 ):
     """The body of a decode program with a non-empty slice (start < end): q [BLOCK_H, BLOCK_D] (the GROUP heads
     of kv_head, rows past GROUP zero) attends to keys start .. end - 1; then the output, or the partial and the
     merge (comment above).
-    PREFETCHED: k_first, v_first hold the slice's first tile as read before the PDL wait, every key but the
-    newest (position kv_len - 1, written by the kernel just before this one); that row is put in now.
-    Otherwise k_first, v_first are unused.
-    NEWEST_GIVEN: the newest key's K/V row is k_row, v_row [BLOCK_D] (fused_decode.py computes it in this launch
-    and writes the cache slot itself), never read from the cache; otherwise it is read from the cache and k_row,
-    v_row are unused."""
+    k_first, v_first hold the slice's first tile as read before the PDL wait, every key but the newest (position
+    kv_len - 1, written by the kernel just before this one); that row is read and put in now."""
     rows = tl.arange(0, BLOCK_H)
     heads = kv_head * GROUP + rows
     row_mask = rows < GROUP
@@ -283,35 +247,28 @@ def _decode_split(
     table_row = block_table_ptr + seq * stride_bt
     k_base = k_cache_ptr + kv_head * stride_kc_head
     v_base = v_cache_ptr + kv_head * stride_vc_head
-    first = start
     newest = kv_len - 1   # in a tile of this slice only if the slice ends the context
-    if PREFETCHED:
-        if NEWEST_GIVEN:
-            k_tile, v_tile = _with_newest_row(k_first, v_first, start, newest, k_row, v_row, BLOCK_N)
-        else:
-            k_new, v_new = _load_kv_tile(start, newest, tl.minimum(end, newest + 1), table_row, k_base, v_base,
-                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
-                                         dims, dim_mask, BLOCK_N, BLOCK_SIZE)
-            is_newest = (start + tl.arange(0, BLOCK_N) == newest)[:, None]
-            k_tile = tl.where(is_newest, k_new, k_first)
-            v_tile = tl.where(is_newest, v_new, v_first)
-        m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k_tile, v_tile, start, end, row_pos, scale_log2,
-                                   BLOCK_N, DOT_FP32, DOT_PRECISION)
-        first = start + BLOCK_N
+    k_new, v_new = _load_kv_tile(start, newest, tl.minimum(end, newest + 1), table_row, k_base, v_base,
+                                 stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                 dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+    is_newest = (start + tl.arange(0, BLOCK_N) == newest)[:, None]
+    k_tile = tl.where(is_newest, k_new, k_first)
+    v_tile = tl.where(is_newest, v_new, v_first)
+    m_i, l_i, acc = _attend_kv(q, m_i, l_i, acc, k_tile, v_tile, start, end, row_pos, scale_log2,
+                               BLOCK_N, DOT_FP32, DOT_PRECISION)
+    first = start + BLOCK_N
     if INTERPRET:
         n0 = first
         while n0 < end:
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, n0, end, row_pos, newest, k_row, v_row, table_row,
-                                         k_base, v_base, stride_kc_block, stride_kc_off, stride_vc_block,
-                                         stride_vc_off, dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                         DOT_PRECISION, NEWEST_GIVEN)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
             n0 += BLOCK_N
     else:
         for n0 in range(first, end, BLOCK_N):
-            m_i, l_i, acc = _decode_tile(q, m_i, l_i, acc, n0, end, row_pos, newest, k_row, v_row, table_row,
-                                         k_base, v_base, stride_kc_block, stride_kc_off, stride_vc_block,
-                                         stride_vc_off, dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
-                                         DOT_PRECISION, NEWEST_GIVEN)
+            m_i, l_i, acc = _attend_tile(q, m_i, l_i, acc, n0, end, row_pos, table_row, k_base, v_base,
+                                         stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+                                         dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
 
     if used_splits == 1:   # the whole context in one program: no partials, no atomics
         tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -320,18 +277,18 @@ def _decode_split(
         pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
         tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
         tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
-        if MERGE:   # in this launch: the last split program to finish merges (else _decode_reduce_kernel)
-            # Every thread's partial stores must precede the (single-thread) release atomic below.
-            tl.debug_barrier()
-            counter = counter_ptr + seq * stride_cnt_s + kv_head
-            done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
-            if done == used_splits - 1:
-                _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
-                              stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
-                              stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
-                # Every split has counted, so nothing else touches the counter in this launch; the next
-                # launch is stream-ordered after this one.
-                tl.store(counter, 0)
+        # The last split program to finish merges. Every thread's partial stores must precede the (single-thread)
+        # release atomic below.
+        tl.debug_barrier()
+        counter = counter_ptr + seq * stride_cnt_s + kv_head
+        done = tl.atomic_add(counter, 1, sem="acq_rel")   # default scope: gpu
+        if done == used_splits - 1:
+            _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
+                          stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h,
+                          stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
+            # Every split has counted, so nothing else touches the counter in this launch; the next launch is
+            # stream-ordered after this one.
+            tl.store(counter, 0)
 
 
 @triton.jit
@@ -362,29 +319,23 @@ def _decode_kernel(
     stride_cnt_s,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr, MERGE: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-    PREFETCH: tl.constexpr,
+    INTERPRET: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     seq = tl.program_id(0)
     kv_head = tl.program_id(1)
     split = tl.program_id(2)
-    if PREFETCH:
-        # Before the wait, only what no kernel of this step writes: kv_lens and the block table (copied in before
-        # the step) and the K/V of every earlier token; the newest token's K/V comes from the kernel before this
-        # one, so the first tile is read without it (_decode_split puts it in after the wait).
-        kv_len = tl.load(kv_lens_ptr + seq)
-        start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
-        k_first, v_first = _load_kv_tile(start, start, tl.minimum(end, kv_len - 1),
-                                         block_table_ptr + seq * stride_bt, k_cache_ptr + kv_head * stride_kc_head,
-                                         v_cache_ptr + kv_head * stride_vc_head, stride_kc_block, stride_kc_off,
-                                         stride_vc_block, stride_vc_off, tl.arange(0, BLOCK_D),
-                                         tl.arange(0, BLOCK_D) < HEAD_DIM, BLOCK_N, BLOCK_SIZE)
-        pdl_wait(USE_PDL)   # q, the newest K/V and the counters come from earlier kernels
-    else:
-        pdl_wait(USE_PDL)
-        kv_len = tl.load(kv_lens_ptr + seq)
-        start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
-        k_first, v_first = 0, 0   # unused
+    # Before the wait, only what no kernel of this step writes: kv_lens and the block table (copied in before the
+    # step) and the K/V of every earlier token; the newest token's K/V comes from the kernel before this one, so
+    # the first tile is read without it (_decode_split puts it in after the wait). With 32-key tiles this took the
+    # Qwen3-0.6B bs1 step from 0.758 to 0.714 ms on the H200.
+    kv_len = tl.load(kv_lens_ptr + seq)
+    start, end, used_splits = _decode_split_range(kv_len, split, num_splits, BLOCK_N)
+    k_first, v_first = _load_kv_tile(start, start, tl.minimum(end, kv_len - 1),
+                                     block_table_ptr + seq * stride_bt, k_cache_ptr + kv_head * stride_kc_head,
+                                     v_cache_ptr + kv_head * stride_vc_head, stride_kc_block, stride_kc_off,
+                                     stride_vc_block, stride_vc_off, tl.arange(0, BLOCK_D),
+                                     tl.arange(0, BLOCK_D) < HEAD_DIM, BLOCK_N, BLOCK_SIZE)
+    pdl_wait(USE_PDL)   # q, the newest K/V and the counters come from earlier kernels
     if start < end:
         rows = tl.arange(0, BLOCK_H)
         heads = kv_head * GROUP + rows
@@ -401,37 +352,9 @@ def _decode_kernel(
                       stride_bt, stride_os, stride_oh,
                       stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_cnt_s,
                       GROUP, HEAD_DIM, BLOCK_H, BLOCK_D, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION,
-                      INTERPRET, MERGE, BLOCK_S, False, k_first, v_first, PREFETCH, 0, 0)
+                      INTERPRET, BLOCK_S, k_first, v_first)
     elif split == 0 and kv_len == 0:   # a padded row of a graph batch: output 0, counter untouched
         _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh, GROUP, HEAD_DIM, BLOCK_H, BLOCK_D)
-
-
-@triton.jit
-def _decode_reduce_kernel(
-    part_out_ptr, part_lse_ptr, kv_lens_ptr, out_ptr,
-    num_splits,
-    stride_po_s, stride_po_h, stride_po_split,
-    stride_pl_s, stride_pl_h,
-    stride_os, stride_oh,
-    GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_S: tl.constexpr, USE_PDL: tl.constexpr,
-):
-    """The merge as a second launch (MERGE=False), one program per (sequence, kv head); a sequence whose context
-    fitted in one split already has its output."""
-    seq = tl.program_id(0)
-    kv_head = tl.program_id(1)
-    pdl_wait(USE_PDL)
-    _, _, used_splits = _decode_split_range(tl.load(kv_lens_ptr + seq), 0, num_splits, BLOCK_N)
-    if used_splits > 1:
-        _merge_splits(part_out_ptr, part_lse_ptr, out_ptr, seq, kv_head, used_splits,
-                      stride_po_s, stride_po_h, stride_po_split, stride_pl_s, stride_pl_h, stride_os, stride_oh,
-                      GROUP, HEAD_DIM, BLOCK_D, BLOCK_S)
-
-
-def merge_in_kernel() -> bool:
-    """Where decode merges its splits: in the split launch (last program, atomics; default) or in a second
-    launch. KESTREL_DECODE_MERGE=reduce picks the second (A/B on the GPU)."""
-    return os.environ.get("KESTREL_DECODE_MERGE", "atomic") != "reduce"
 
 
 def default_num_splits(num_seqs: int, num_kv_heads: int, max_context: int, device: torch.device) -> int:
@@ -500,18 +423,9 @@ def decode_attention(
         part_out.stride(0), part_out.stride(1), part_out.stride(2),
         part_lse.stride(0), part_lse.stride(1),
         counters.stride(0),
-        BLOCK_SIZE=block_size, PREFETCH=prefetch_before_wait(), **meta, **pdl,
+        BLOCK_SIZE=block_size, **meta, **pdl,
     )
-    if not meta["MERGE"]:
-        decode_reduce(partials, kv_lens, out, num_splits, meta, pdl)
     return out
-
-
-def prefetch_before_wait() -> bool:
-    """Each decode program reads its first K/V tile before the PDL wait and the newest token's row after it (on by
-    default; KESTREL_DECODE_PREFETCH=0 turns it off). With 32-key tiles it took the Qwen3-0.6B bs1 step 0.758 ->
-    0.714 ms on the H200; alone, with 64-key tiles, −0.7% (0.6B) and −1.5% (8B) (BENCHMARKS.md, session 6)."""
-    return os.environ.get("KESTREL_DECODE_PREFETCH", "1") == "1"
 
 
 def decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int, block_table: torch.Tensor,
@@ -538,23 +452,8 @@ def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int) -> 
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
-        MERGE=merge_in_kernel(), BLOCK_S=triton.next_power_of_2(num_splits),
+        BLOCK_S=triton.next_power_of_2(num_splits),
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
-    )
-
-
-def decode_reduce(partials: DecodeScratch, kv_lens: torch.Tensor, out: torch.Tensor, num_splits: int,
-                  meta: dict, pdl: dict) -> None:
-    """The second launch of KESTREL_DECODE_MERGE=reduce: merge the partials of sequences that used > 1 split."""
-    part_out, part_lse, _ = partials
-    _decode_reduce_kernel[(out.shape[0], out.shape[1] // meta["GROUP"])](
-        part_out, part_lse, kv_lens, out,
-        num_splits,
-        part_out.stride(0), part_out.stride(1), part_out.stride(2),
-        part_lse.stride(0), part_lse.stride(1),
-        out.stride(0), out.stride(1),
-        GROUP=meta["GROUP"], HEAD_DIM=meta["HEAD_DIM"], BLOCK_D=meta["BLOCK_D"],
-        BLOCK_N=meta["BLOCK_N"], BLOCK_S=meta["BLOCK_S"], num_warps=4, **pdl,
     )
 
 
@@ -673,10 +572,8 @@ def _decode_tiles(q: torch.Tensor) -> dict[str, int]:
         return {"BLOCK_N": 16, "num_warps": 1, "num_stages": 1}
     # The key tile is also the shortest split (_decode_split_range), and at bs1 more, shorter splits measured
     # faster: splits of >= 256 or 512 keys cost +14%, 128-key tiles +10%; 32-key tiles beat 64 by 1.6% alone and
-    # by 5.8% with the prefetch before the PDL wait (BENCHMARKS.md, session 6). KESTREL_DECODE_BLOCK_N and
-    # KESTREL_DECODE_WARPS are A/B knobs.
-    return {"BLOCK_N": int(os.environ.get("KESTREL_DECODE_BLOCK_N", 32)),
-            "num_warps": int(os.environ.get("KESTREL_DECODE_WARPS", 4)), "num_stages": 2}
+    # by 5.8% with the prefetch before the PDL wait; 16-key tiles −0.4% (noise), 2 warps +8%.
+    return {"BLOCK_N": 32, "num_warps": 4, "num_stages": 2}
 
 
 def _extend_tiles(q: torch.Tensor) -> dict[str, int]:

@@ -21,6 +21,8 @@ from typing import Any, TextIO
 import httpx
 import psutil
 
+from kestrel.envs import child_environment
+
 
 class LaunchExit(enum.IntEnum):
     """`kestrel launch` exit codes (2 is a usage error, from the CLI)."""
@@ -88,7 +90,7 @@ class ServerProcess:
         self.last_lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.last_output_time = time.monotonic()
         self.num_lines = 0
-        env = os.environ | {"PYTHONUNBUFFERED": "1"}   # log lines as they happen, not when a buffer fills
+        env = child_environment(PYTHONUNBUFFERED="1")   # log lines as they happen, not when a buffer fills
         try:
             self.proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, env=env)
@@ -271,7 +273,7 @@ def run_then(command: str, base_url: str, server: ServerProcess, out: TextIO) ->
     command = command.replace("{base_url}", base_url)
     print(f"[launch] running: {command}", file=out)
     out.flush()
-    then = subprocess.Popen(command, shell=True, env=os.environ | {"KESTREL_BASE_URL": base_url},
+    then = subprocess.Popen(command, shell=True, env=child_environment(KESTREL_BASE_URL=base_url),
                             start_new_session=True)
     try:
         while then.poll() is None:

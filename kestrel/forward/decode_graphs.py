@@ -91,7 +91,8 @@ class _RowState:
 
 
 class DecodeGraphs:
-    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int, query_len: int = 1) -> None:
+    def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int, query_len: int = 1,
+                 fused: bool | None = None) -> None:
         self.runner = runner
         self.max_bs = max_bs
         self.query_len = q = query_len
@@ -119,7 +120,8 @@ class DecodeGraphs:
         # On CUDA (unless KESTREL_FUSED_OPS=0) the fp32 cast and argmax of the logits run in one kernel (-1.5% a
         # 0.6B step, -0.9% on the 8B, against torch's two), with static scratch shared by every bucket's graph (the
         # graphs of one runner replay one at a time, in stream order) ...
-        fused = device.type == "cuda" and switches().fused_ops
+        if fused is None:   # the fused head and argmax (below): on CUDA unless KESTREL_FUSED_OPS=0
+            fused = device.type == "cuda" and switches().fused_ops
         self.argmax_scratch, self._logits_argmax = None, None
         if fused:
             from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only

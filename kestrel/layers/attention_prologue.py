@@ -29,13 +29,9 @@ reference is a pure function) and the attention kernels read a dense q.
 Numerics follow the references in fused_ops.py (HF's roundings): the norm rounds x * rstd to the model dtype,
 then the weight product; rotary casts cos/sin to the model dtype and rounds each product. Launched with PDL on Hopper
 (kestrel/layers/pdl.py). No host syncs: the wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
-
-Experiment (off by default): with KESTREL_FUSED_DECODE_PROLOGUE=1 a decode step skips this kernel and the Triton
-backend's decode_attention; kestrel/attention/fused_decode.py does both in one launch, reusing _norm_rotate_head.
 """
 from __future__ import annotations
 
-import os
 from typing import Callable
 
 import torch
@@ -148,18 +144,16 @@ def _qk_norm_rope_store_kernel(
     eps,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     cols = tl.arange(0, BLOCK_HALF)
     mask = cols < HALF
-    if PREFETCH:   # positions and the rotary table are not written in this step: their two loads go before the wait
-        cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HALF)
-        pdl_wait(USE_PDL)
-    else:
-        pdl_wait(USE_PDL)
-        cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HALF)
+    # Positions and cos/sin are read after the wait. Reading them before it (no kernel of the step writes them)
+    # measured -0.5% alone on the H200 and nothing on top of decode attention's loads before its own wait.
+    pdl_wait(USE_PDL)
+    cos, sin = cos_sin_at(positions_ptr, cos_sin_ptr, token, stride_cos_sin, cols, mask, HALF)
     row = qkv_ptr + token * stride_qkv
     if head < NUM_HEADS:
         out1, out2 = _norm_rotate_head(row + head * HEAD_DIM, q_norm_ptr, cos, sin, eps, cols, mask,
@@ -212,14 +206,8 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
         HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
-        num_warps=1 if head_dim <= 128 else 2, PREFETCH=prefetch_rotary_before_wait(),
+        num_warps=1 if head_dim <= 128 else 2,
         **launch_options(qkv.device), **HF_ROUNDING,
     )
     return q
 
-
-def prefetch_rotary_before_wait() -> bool:
-    """Experiment, off (KESTREL_PROLOGUE_PREFETCH=1): the position and cos/sin loads (two dependent round trips)
-    before the PDL wait instead of after it. Predicted -2 to -3% of the Qwen3-0.6B bs1 step; measured on the H200
-    -0.5% alone and nothing on top of the decode prefetch (BENCHMARKS.md, session 6), so it stays off."""
-    return os.environ.get("KESTREL_PROLOGUE_PREFETCH", "0") == "1"

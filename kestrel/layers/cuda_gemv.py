@@ -1,8 +1,8 @@
 """Skinny matmuls in CUDA C++ (skinny_gemv.cu) for weights too large for the Triton kernels of gemv.py.
 
 At one to four rows a matmul is a weight read. On the Llama-3.1-8B's bs1 step cuBLAS streams qkv and o_proj at
-~72% of copy bandwidth plus a split-K reduce kernel each, and the RMSNorms and the SiLU-mul are kernels of their own
-(BENCHMARKS.md, session 9); the Triton skinny kernel lost to cuBLAS there. This kernel gives each weight row to one
+~72% of copy bandwidth plus a split-K reduce kernel each, and the RMSNorms and the SiLU-mul are kernels of their own;
+the Triton skinny kernel lost to cuBLAS there. This kernel gives each weight row to one
 warp, issues its first loads before the PDL wait, and folds the ops around the matmul in:
 
     add + RMSNorm -> qkv_proj                        add_rms_norm_gemv
@@ -13,8 +13,8 @@ warp, issues its first loads before the PDL wait, and folds the ops around the m
                                                      models without q/k norm: the pair rows of a rotation in one
                                                      block, q out, k and v into the paged caches)
 
-At one row of x the activation reaches shared memory by one bulk copy after the wait (Staging, TMA_X): read through
-the L1 path, it queued behind the weight loads issued before the wait (session 16).
+At one row of x the activation reaches shared memory by one bulk copy after the wait (use_bulk_copy, TMA_X): read
+through the L1 path, it queued behind the weight loads issued before the wait.
 
 Numerics are those of gemv.py's references (fp32 accumulation, the same bf16 roundings); the sum order differs,
 so outputs match the references to about an ulp. Hopper and bf16 only (`usable`); NVRTC compiles each shape at
@@ -26,7 +26,6 @@ import ctypes
 import functools
 import logging
 import math
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -46,7 +45,6 @@ LOADS_PER_LANE = 16         # 16-byte weight loads a lane keeps in flight per st
                             # of x, whose activation loads would otherwise spill under 128 registers
 BLOCKS_PER_SM = 2           # __launch_bounds__(256, 2)
 NORM_SHARED_BYTES = 48 * 1024   # the staged activation [M_TILE, K] bf16 must fit static shared memory
-STAMP_COLUMNS = 6 + 3           # skinny_gemv.cu's NUM_STAMPS clocks, then three %globaltimer values
 
 
 @dataclass(frozen=True)
@@ -83,9 +81,8 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
     halves = 2 if silu else 1
     if m_tile == 1 and not silu and k >= 8192 and (k // 256) % 8 == 0:
         # A long row (the 8B's down): one row a warp, 8 loads a step, rather than the 2 rows (256 blocks) the
-        # wave rule picks. Measured on the 8B bs1 step in six same-call A/Bs (sessions 16-17, BENCHMARKS.md):
-        # -0.5%, -0.6%, -0.4%, -0.3%, -0.6%, and the old config +0.6% against it. 512 blocks, one wave at the
-        # 4 blocks an SM its 60 registers allow. Not measured at other shapes.
+        # wave rule picks. Measured on the 8B bs1 step in six same-call A/Bs: -0.3% to -0.6%. 512 blocks, one
+        # wave at the 4 blocks an SM its 60 registers allow. Not measured at other shapes.
         return CudaGemvConfig(rows=1, u=8)
     capacity = sm_count * BLOCKS_PER_SM
 
@@ -100,20 +97,10 @@ def default_config(n: int, k: int, silu: bool = False, sm_count: int = 132, m_ti
     return CudaGemvConfig(rows=rows, u=u)
 
 
-def config_override(n: int, k: int) -> CudaGemvConfig | None:
-    """KESTREL_CUDA_GEMV_CONFIG="NxK=rows,u;..." (A/B runs): the config for output features N and in features K."""
-    for entry in filter(None, os.environ.get("KESTREL_CUDA_GEMV_CONFIG", "").split(";")):
-        shape, _, value = entry.partition("=")
-        if shape == f"{n}x{k}":
-            rows, u = map(int, value.split(","))
-            return CudaGemvConfig(rows=rows, u=u)
-    return None
-
-
 @functools.lru_cache(maxsize=None)
 def _config(device: int, n: int, k: int, silu: bool, m_tile: int) -> CudaGemvConfig:
-    """The launch's config, once per shape (eager decode launches 4 a layer): the override, else the table."""
-    return config_override(n, k) or default_config(n, k, silu, sm_count(device), m_tile)
+    """The launch's config, once per shape (eager decode launches 4 a layer)."""
+    return default_config(n, k, silu, sm_count(device), m_tile)
 
 
 def usable(x: torch.Tensor, w: torch.Tensor, norm: bool = False) -> bool:
@@ -142,84 +129,56 @@ def _builds(device: int) -> bool:
         return False
 
 
-@dataclass(frozen=True)
-class Staging:
-    """How a build reads its activation after the PDL wait (skinny_gemv.cu: TMA_X, PREWAIT)."""
-    tma_x: bool = False     # one bulk copy into shared memory (one row of x only)
-    prewait: bool = True    # the first step's weight loads before the wait (False: after the activation)
-
-
-def _shape_switch(name: str, default: str, n: int, k: int) -> bool:
-    """An on/off switch from the environment: "1" (every shape), "0" (none) or a comma list of NxK shapes (on for
-    those only), e.g. KESTREL_CUDA_GEMV_TMA_X=6144x4096,4096x14336."""
-    value = os.environ.get(name, default)
-    return value == "1" or f"{n}x{k}" in value.split(",")
-
-
-@functools.lru_cache(maxsize=None)
-def staging(m_tile: int, n: int, k: int) -> Staging:
-    """A build's staging: the bulk-copied activation at one row of x (KESTREL_CUDA_GEMV_TMA_X, default on: the
-    Llama-3.1-8B bs1 step -3.7%, session 16), and the first weight loads before the wait unless
-    KESTREL_CUDA_GEMV_PREWAIT_OFF names the shape (a diagnostic). n: output features (gate_up: the intermediate size)."""
-    return Staging(tma_x=m_tile == 1 and _shape_switch("KESTREL_CUDA_GEMV_TMA_X", "1", n, k),
-                   prewait=not _shape_switch("KESTREL_CUDA_GEMV_PREWAIT_OFF", "0", n, k))
+def use_bulk_copy(m_tile: int, x: torch.Tensor, residual: torch.Tensor | None) -> bool:
+    """Whether the launch takes the TMA_X build: one row of x, whose row (and the residual's) arrives by one bulk
+    copy into shared memory, which needs 16-byte aligned rows. Against reading x through L1 after the weight loads
+    issued before the wait: the Llama-3.1-8B bs1 step -3.7%."""
+    return m_tile == 1 and all(t.data_ptr() % 16 == 0 for t in (x, residual) if t is not None)
 
 
 def compile_kernel(k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-                   arch: str = "sm_90", rope: RopeShape | None = None, stamps: bool = False,
-                   stage: Staging = Staging()) -> cuda_rtc.Compiled:
-    """stamps: the STAMPS=1 build (benchmarks/layer_timeline.py), which takes a stamp buffer as a last argument."""
-    assert not stage.tma_x or m_tile == 1, "TMA_X stages one row of x"
+                   arch: str = "sm_90", rope: RopeShape | None = None, tma_x: bool = False) -> cuda_rtc.Compiled:
+    """tma_x: the build whose one row of x arrives by bulk copy (use_bulk_copy)."""
+    assert not tma_x or m_tile == 1, "TMA_X stages one row of x"
     defines = dict(K=k, ROWS=config.rows, WARPS=config.warps, U=config.u, M_TILE=m_tile, NORM=int(norm),
-                   SILU=int(silu), TMA_X=int(stage.tma_x), PREWAIT=int(stage.prewait))
+                   SILU=int(silu), TMA_X=int(tma_x))
     if rope is not None:
         defines |= dict(ROPE=1, HEAD_DIM=rope.head_dim, NUM_HEADS=rope.num_heads, NUM_KV_HEADS=rope.num_kv_heads)
-    if stamps:
-        defines |= dict(STAMPS=1)
     return cuda_rtc.compile_cubin(SOURCE.read_text(), "skinny_gemv", arch, defines)
 
 
 @functools.lru_cache(maxsize=None)
 def _kernel(device: int, k: int, config: CudaGemvConfig, m_tile: int, norm: bool, silu: bool,
-            rope: RopeShape | None = None, stamps: bool = False, stage: Staging = Staging()) -> cuda_rtc.Kernel:
-    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope, stamps, stage)
+            rope: RopeShape | None = None, tma_x: bool = False) -> cuda_rtc.Kernel:
+    compiled = compile_kernel(k, config, m_tile, norm, silu, cuda_rtc.device_arch(device), rope, tma_x)
     return cuda_rtc.Kernel(compiled, "skinny_gemv", torch.device("cuda", device))
 
 
-def stamp_rows(n: int, k: int, silu: bool = False, m: int = 1, config: CudaGemvConfig | None = None) -> int:
-    """Rows of the stamp buffer a launch fills (one a warp; STAMP_COLUMNS int64 each)."""
-    m_tile = 1 if m == 1 else 2 if m == 2 else 4
-    cfg = config or _config(torch.cuda.current_device(), n, k, silu, m_tile)
-    return math.ceil(n / (cfg.warps * cfg.rows)) * cfg.warps
-
-
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: CudaGemvConfig | None = None, stamps: torch.Tensor | None = None) -> torch.Tensor:
-    """gemv_ref: x [M <= 4, K] @ w [N, K].T (+ bias) -> [M, N]. stamps (every function here): run the STAMPS
-    build, which writes [stamp_rows(...), STAMP_COLUMNS] int64 into it (benchmarks/layer_timeline.py)."""
-    return _launch(x, None, None, 0.0, w, bias, False, False, config, stamps=stamps)[0]
+         config: CudaGemvConfig | None = None) -> torch.Tensor:
+    """gemv_ref: x [M <= 4, K] @ w [N, K].T (+ bias) -> [M, N]."""
+    return _launch(x, None, None, 0.0, w, bias, False, False, config)[0]
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None,
-                      stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                      w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_ref: (rms_norm(x + residual) @ w.T (+ bias), x + residual); residual None: x itself."""
-    return _launch(x, residual, norm_weight, eps, w, bias, True, False, config, stamps=stamps)
+    return _launch(x, residual, norm_weight, eps, w, bias, True, False, config)
 
 
 def add_rms_norm_gemv_silu(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                           w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None,
-                           stamps: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                           w: torch.Tensor, bias: torch.Tensor | None = None, config: CudaGemvConfig | None = None
+                           ) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_silu_ref: w = [gate | up] [2I, K] -> (silu(gate) * up [M, I], x + residual)."""
-    return _launch(x, residual, norm_weight, eps, w, bias, True, True, config, stamps=stamps)
+    return _launch(x, residual, norm_weight, eps, w, bias, True, True, config)
 
 
 def add_rms_norm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
                            w: torch.Tensor, bias: torch.Tensor | None, positions: torch.Tensor,
                            cos_sin_cache: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                            slot_mapping: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int,
-                           config: CudaGemvConfig | None = None, stamps: torch.Tensor | None = None
-                           ) -> tuple[torch.Tensor, torch.Tensor]:
+                           config: CudaGemvConfig | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """add_rms_norm_gemv_rope_ref: the fused QKV projection of a decode step and its attention prologue (no q/k
     norm) -> (rotated q [M, num_heads, head_dim], x + residual); k and v go into the caches at slot_mapping."""
     m = x.shape[0]
@@ -234,7 +193,7 @@ def add_rms_norm_gemv_rope(x: torch.Tensor, residual: torch.Tensor | None, norm_
                     q.data_ptr(), q.stride(0), k_cache.data_ptr(), v_cache.data_ptr(), *k_cache.stride()[:3],
                     *v_cache.stride()[:3], k_cache.shape[1])
     _, res_out = _launch(x, residual, norm_weight, eps, w, bias, True, False, config,
-                         RopeShape(head_dim, num_heads, num_kv_heads), args, stamps)
+                         RopeShape(head_dim, num_heads, num_kv_heads), args)
     return q, res_out
 
 
@@ -259,7 +218,7 @@ def add_rms_norm_gemv_silu_ref(x: torch.Tensor, residual: torch.Tensor | None, n
 
 def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None, eps: float,
             w: torch.Tensor, bias: torch.Tensor | None, norm: bool, silu: bool, config: CudaGemvConfig | None,
-            rope: RopeShape | None = None, rope_args: RopeArgs | None = None, stamps: torch.Tensor | None = None
+            rope: RopeShape | None = None, rope_args: RopeArgs | None = None
             ) -> tuple[torch.Tensor | None, torch.Tensor]:
     m, k = x.shape
     assert w.shape[1] == k and m <= MAX_M, f"x {tuple(x.shape)}, w {tuple(w.shape)}: K must match, M <= {MAX_M}"
@@ -277,10 +236,7 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
     m_tile = 1 if m == 1 else 2 if m == 2 else 4
     cfg = config or _config(device, n, k, silu, m_tile)
     assert (k // 256) % cfg.u == 0, f"{cfg}: a step of 256 * u must divide K={k}"
-    stage = staging(m_tile, n, k)
-    if stage.tma_x and not all(t.data_ptr() % 16 == 0 for t in (x, residual) if t is not None):
-        stage = Staging(prewait=stage.prewait)   # the bulk copy needs 16-byte aligned rows
-    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, stamps is not None, stage)
+    kernel = _kernel(device, k, cfg, m_tile, norm, silu, rope, use_bulk_copy(m_tile, x, residual))
     null = ctypes.c_void_p(0)
 
     def ptr(t: torch.Tensor | None) -> ctypes.c_void_p:
@@ -294,10 +250,6 @@ def _launch(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.T
             ptr(out), ctypes.c_longlong(out.stride(0) if out is not None else 0),
             ctypes.c_int(m), ctypes.c_int(n), rope_args if rope_args is not None else RopeArgs()]
     grid = math.ceil(n / (cfg.warps * cfg.rows))
-    if stamps is not None:
-        assert stamps.dtype == torch.int64 and stamps.is_contiguous() \
-            and stamps.numel() >= grid * cfg.warps * STAMP_COLUMNS, "stamps: [stamp_rows(...), STAMP_COLUMNS] int64"
-        args.append(ptr(stamps))
     kernel.launch((grid, 1, 1), cfg.warps * 32, args, torch.cuda.current_stream(x.device),
                   pdl=pdl_enabled(x.device))
     return out, res_out

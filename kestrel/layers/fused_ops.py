@@ -20,7 +20,7 @@ from kestrel.layers.pdl import launch_options, pdl_wait
 # Launch keywords for kernels that must round as HF does: each 16-bit product rounded before the sum
 # (x * cos + rotate_half(x) * sin). By default Triton contracts a multiply and the add after it into one
 # fma.rn.bf16, which rounds once: the attention prologue's q then differed from HF's in 16-19% of its elements by an
-# ulp (H200, session 13). With contraction off the PTX holds mul.rn.bf16 then add/sub.rn.bf16
+# ulp (H200). With contraction off the PTX holds mul.rn.bf16 then add/sub.rn.bf16
 # (tests/test_sm90_builds.py).
 HF_ROUNDING = {"enable_fp_fusion": False}
 

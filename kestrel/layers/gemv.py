@@ -35,8 +35,7 @@ On Hopper the kernel is launched with PDL (kestrel/layers/pdl.py): each program 
 waits for the kernel before it, so the weight stream starts while that kernel finishes. On the broadcast path
 (M <= BROADCAST_MAX_M) that first tile is the program's whole K slice wherever it is at most WHOLE_SLICE_ELEMENTS
 (Qwen3-0.6B: qkv, gate_up and down take one step instead of 2, 2 and 3), so no weight byte is read after the wait:
-the 0.6B bs1 step went from 0.852 to 0.764 ms on the H200. KESTREL_GEMV_WHOLE_SLICE=0 turns it off, =all extends
-it to the tensor-core path (unmeasured); A/B in scripts/gpu_suite.sh's profile stage.
+the 0.6B bs1 step went from 0.852 to 0.764 ms on the H200. The tensor-core path keeps K steps of ~TILE_ELEMENTS.
 
 Launches are CUDA-graph capturable: no host syncs, no autotuning at call time (a fixed heuristic table keyed on
 (M, N, K) picks the config; `config=` overrides it for benchmarking), only the outputs are allocated. M <= 16 is
@@ -44,7 +43,6 @@ asserted: larger batches belong to cuBLAS.
 """
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 
 import torch
@@ -108,11 +106,10 @@ class GemvConfig:
 
 
 def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The fixed table (table_config); small tiles under Triton's interpreter."""
+    """The fixed table (table_config), whole slices on the broadcast path; small tiles under Triton's interpreter."""
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
-    mode = os.environ.get("KESTREL_GEMV_WHOLE_SLICE", "1")
-    return table_config(m, n, k, whole_slice=mode == "all" or (mode == "1" and m <= BROADCAST_MAX_M))
+    return table_config(m, n, k, whole_slice=m <= BROADCAST_MAX_M)
 
 
 def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
@@ -468,8 +465,8 @@ def one_pass_norm(cfg: GemvConfig, k: int) -> bool:
     """Whether add-RMSNorm reads each x row once (rstd and activation from the same registers, the norm weight
     read before the PDL wait): on the broadcast path when a program's K slice is one tile, as in the whole-slice
     configs of the Qwen3-0.6B's qkv and gate_up at one to four rows (−1.8% on its bs1 step on the H200). Otherwise
-    two passes over x. KESTREL_GEMV_ONE_PASS_NORM=0 turns it off (A/B on the GPU)."""
-    return not cfg.use_dot and cfg.block_k >= k and os.environ.get("KESTREL_GEMV_ONE_PASS_NORM", "1") != "0"
+    two passes over x."""
+    return not cfg.use_dot and cfg.block_k >= k
 
 
 def _fold(cfg: GemvConfig) -> int:

@@ -12,9 +12,9 @@ Here one launch does both, one program per (row, chunk of BLOCK logits):
 
 The answer is torch.argmax's: the first index of the maximum (ties go to the lower chunk, then the lower index
 inside it). NaN counts as larger than every number, as in torch; only a row holding both NaN and +inf may differ
-(torch picks the first NaN, this the first of either). On by default in the decode graphs (forward/decode_graphs.py):
-on the H200 (session 7, same call) the bs1 step went 0.710 -> 0.700 ms on the 0.6B (-1.5%, predicted -1.3%) and
-4.380 -> 4.340 ms on the 8B (-0.9%, predicted -0.65%). KESTREL_FUSED_ARGMAX=0 goes back to torch's cast + argmax.
+(torch picks the first NaN, this the first of either). On by default in the decode graphs (forward/decode_graphs.py): on the H200
+the bs1 step went 0.710 -> 0.700 ms on the 0.6B (-1.5%) and 4.380 -> 4.340 ms on the 8B (-0.9%);
+`DecodeGraphs(fused=False)` (or KESTREL_FUSED_OPS=0) keeps torch's cast + argmax.
 """
 from __future__ import annotations
 

@@ -15,22 +15,24 @@ Rules for a kernel launched with PDL (all kernels here follow them; `pdl_wait` d
   - pdl_wait, then signal dependents: the next kernel starts only once this one's inputs are ready, so at most
     one kernel waits ahead and no chain of waiting kernels holds the SMs.
 Kernels launched without PDL (cuBLAS, torch ops, memcpys) keep ordinary stream order on both sides. Stream capture
-turns PDL launches into programmatic edges of the CUDA graph. KESTREL_PDL=0 turns it off (A/B measurements).
+turns PDL launches into programmatic edges of the CUDA graph. KESTREL_PDL=0 turns it off (kestrel/envs.py: the
+A/B against launches in plain stream order).
 """
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 import triton
 import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
+from kestrel.envs import switches
+
 
 def pdl_enabled(device: torch.device) -> bool:
     """PDL on a CUDA device of compute capability >= 9.0, unless KESTREL_PDL=0 or under Triton's interpreter."""
-    if os.environ.get("KESTREL_PDL", "1") == "0" or device.type != "cuda" or triton.knobs.runtime.interpret:
+    if not switches().pdl or device.type != "cuda" or triton.knobs.runtime.interpret:
         return False
     return hopper_or_later(device_index(device))
 

@@ -1,6 +1,6 @@
 // Skinny matmuls for decode batches (1..M_TILE rows of x) that stream the weight at HBM bandwidth, compiled by
 // NVRTC at first use (cuda_gemv.py). Hopper, bf16. cuBLAS runs the Llama-3.1-8B's qkv and o_proj at one row at
-// ~72% of copy bandwidth with a split-K reduce kernel after each (BENCHMARKS.md session 9); the Triton skinny
+// ~72% of copy bandwidth with a split-K reduce kernel after each; the Triton skinny
 // kernel (gemv.py) lost to cuBLAS at those sizes. Here every weight row is read by one warp, 16-byte loads, the
 // first step's loads issued before the PDL wait, and the RMSNorm / SiLU-mul around the matmul folded in:
 //
@@ -33,39 +33,19 @@
 // L1-bypassing for the matmul weight, L1-cached for the norm weight); x, the residual and the bias after it, and
 // nothing is written before it.
 //
-// TMA_X=1 (one row of x; the engine's default, cuda_gemv.staging): thread 0 bulk-copies x (and the residual) into shared memory right after the wait
-// (cp.async.bulk, an mbarrier counts the bytes), and the norm stages in place there / the dot products read x from
-// there. Session 16's layer timeline found each matmul's first activation read after the wait taking 2.7-4.6 us,
-// against ~0.7 for an L2 round trip: the loads queue behind the weight loads issued before the wait. The bulk copy
-// takes the TMA's path instead. PREWAIT=0 (a diagnostic): no weight load before the activation is staged.
-// Session 16, the 8B bs1 step: -3.7%.
-//
-// STAMPS=1 (benchmarks/layer_timeline.py only): lane 0 of every warp records clock64() at NUM_STAMPS points (entry,
-// the PDL wait's release, the staged activation, step 0 consumed, the last step consumed, its stores done) and
-// %globaltimer at entry, the release and the end, into the last argument stamps[block * WARPS + warp][NUM_STAMPS
-// + 3]. The production build has neither the argument nor the reads.
+// TMA_X=1 (one row of x, 16-byte aligned rows; cuda_gemv.use_bulk_copy): thread 0 bulk-copies x (and the
+// residual) into shared memory right after the wait (cp.async.bulk, an mbarrier counts the bytes), and the norm
+// stages in place there / the dot products read x from there. Read through the L1 path instead, each matmul's first
+// activation read after the wait took 2.7-4.6 us, against ~0.7 for an L2 round trip: the loads queue behind the
+// weight loads issued before the wait. The bulk copy takes the TMA's path instead: the Llama-3.1-8B bs1 step -3.7%.
 
 #include "kestrel_cuda.cuh"
 
-#ifndef STAMPS
-#define STAMPS 0
-#endif
 #ifndef TMA_X
 #define TMA_X 0
 #endif
-#ifndef PREWAIT
-#define PREWAIT 1
-#endif
 #if TMA_X && M_TILE != 1
 #error "TMA_X stages one row of x"
-#endif
-#define NUM_STAMPS 6
-#if STAMPS
-#define STAMP(i) do { clocks[i] = clock64(); if ((i) == 1) wall[1] = globaltimer(); } while (0)
-#define STAMPS_ARG , long long* stamps
-#else
-#define STAMP(i) do { } while (0)
-#define STAMPS_ARG
 #endif
 
 #define THREADS (WARPS * 32)
@@ -109,28 +89,6 @@ __device__ __forceinline__ float warp_sum(float v) {
   for (int o = 16; o > 0; o >>= 1) v += __shfl_xor_sync(0xffffffffu, v, o);
   return v;
 }
-
-#if STAMPS
-__device__ __forceinline__ long long globaltimer() {
-  long long t;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-  return t;
-}
-
-// lane 0 of a warp: its clocks, then the three %globaltimer values (entry, release, now)
-__device__ __forceinline__ void write_stamps(long long* stamps, const long long (&clocks)[NUM_STAMPS],
-                                             const long long (&wall)[3]) {
-  if (threadIdx.x % 32 != 0) return;
-  long long* row = stamps + ((long long)blockIdx.x * WARPS + threadIdx.x / 32) * (NUM_STAMPS + 3);
-  for (int i = 0; i < NUM_STAMPS; ++i) row[i] = clocks[i];
-  row[NUM_STAMPS] = wall[0];
-  row[NUM_STAMPS + 1] = wall[1];
-  row[NUM_STAMPS + 2] = globaltimer();
-}
-#define FINISH_STAMPS() do { clocks[5] = clock64(); write_stamps(stamps, clocks, wall); } while (0)
-#else
-#define FINISH_STAMPS() do { } while (0)
-#endif
 
 #if TMA_X
 __device__ __forceinline__ u32 shared_u32(const void* p) { return (u32)__cvta_generic_to_shared(p); }
@@ -244,12 +202,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     const bf16_t* __restrict__ w, long long stride_w,      // [N * HALVES, K]
     const bf16_t* bias,                                    // [N * HALVES] or null
     bf16_t* out, long long stride_out,                     // [M, N]; ROPE: unused (rope.q_out and the caches)
-    int M, int N, RopeArgs rope STAMPS_ARG) {
-#if STAMPS
-  long long clocks[NUM_STAMPS], wall[3];
-  clocks[0] = clock64();
-  wall[0] = globaltimer();
-#endif
+    int M, int N, RopeArgs rope) {
   const int warp = threadIdx.x / 32, lane = threadIdx.x % 32;
   const int n0 = (blockIdx.x * WARPS + warp) * ROWS;
   int row_of[ROWS];                   // the output row of each of the warp's rows (>= N: past the end)
@@ -269,9 +222,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     rows[r] = w + n * stride_w + lane * 8;
   }
   Vec buf[WROWS][U];
-#if PREWAIT
   load_step(buf, rows, 0);
-#endif
 #if NORM
   Vec norm_weight[NORM_VECS];
   load_norm_weight(norm_weight, norm_w);
@@ -286,7 +237,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   __syncthreads();
 #endif
   pdl_wait_then_signal();
-  STAMP(1);
 #if TMA_X
   const bool copy_res = NORM && res != nullptr;
   if (threadIdx.x == 0) {
@@ -322,10 +272,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
   __shared__ __align__(16) bf16_t act[M_TILE][K];
   stage_normed(act, x, stride_x, res, stride_res, res_out, stride_res_out, norm_weight, eps, M);
 #endif
-  STAMP(2);
-#if !PREWAIT
-  load_step(buf, rows, 0);
-#endif
 
   float acc[WROWS][M_TILE];
 #pragma unroll
@@ -356,16 +302,12 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
             acc[r][m] += lo(buf[r][u].w[i]) * lo(a.w[i]) + hi(buf[r][u].w[i]) * hi(a.w[i]);
       }
     }
-#if STAMPS
-    if (s == 0) STAMP(3);
-#endif
   }
 
 #pragma unroll
   for (int r = 0; r < WROWS; ++r)
 #pragma unroll
     for (int m = 0; m < M_TILE; ++m) acc[r][m] = warp_sum(acc[r][m]);
-  STAMP(4);
 #if ROPE
   __shared__ float pair_sums[WARPS * ROWS][M_TILE];   // the block's row sums (+ bias), rounded to bf16
   if (lane == 0) {
@@ -378,10 +320,7 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     }
   }
   __syncthreads();
-  if (!rotates) {
-    FINISH_STAMPS();   // lane 0 of a warp whose thread rotates nothing (M past the tokens): the syncthreads above
-    return;
-  }
+  if (!rotates) return;
   const int head = rope_pair_global / HALF, i = rope_pair_global % HALF;
   float x1 = pair_sums[2 * rope_pair][rope_m], x2 = pair_sums[2 * rope_pair + 1][rope_m];
   if (head < NUM_HEADS + NUM_KV_HEADS) {   // q or k: rotate (cos/sin rounded to bf16, as HF)
@@ -394,13 +333,9 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
     bf16_t* q = rope.q_out + rope_m * rope.stride_q + head * HEAD_DIM + i;
     q[0] = to_bf16(x1);
     q[HALF] = to_bf16(x2);
-    FINISH_STAMPS();
     return;
   }
-  if (rope_slot < 0) {
-    FINISH_STAMPS();
-    return;
-  }
+  if (rope_slot < 0) return;
   const long long block = rope_slot / rope.block_size, offset = rope_slot % rope.block_size;
   const bool is_k = head < NUM_HEADS + NUM_KV_HEADS;
   const int kv_head = head - NUM_HEADS - (is_k ? 0 : NUM_KV_HEADS);
@@ -408,7 +343,6 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
                      : rope.v_cache + block * rope.stride_vb + offset * rope.stride_vo + kv_head * rope.stride_vh;
   dst[i] = to_bf16(x1);
   dst[i + HALF] = to_bf16(x2);
-  FINISH_STAMPS();
 #else
   if (lane != 0) return;
 #pragma unroll
@@ -427,6 +361,5 @@ extern "C" __global__ void __launch_bounds__(THREADS, 2) skinny_gemv(
       out[m * stride_out + n] = to_bf16(y);
     }
   }
-  FINISH_STAMPS();
 #endif
 }

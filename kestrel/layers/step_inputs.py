@@ -4,7 +4,7 @@ their embeddings.
 Before layer 0, a graph step (forward/decode_graphs.py) ran four small torch kernels back to back: index_put of the
 new (row, col, block) entries into the persistent tables, index_select of the batch's rows, index_select of the
 input tokens out of the packed buffer, and the embedding lookup; on the 8B bs1 step that was ~9.5 us
-(H200, session 15: 2.7 + 2.4 + 2.1 + 2.4; 11.3 us with graphs up to 128 rows, whose index_put scatters 256
+(H200: 2.7 + 2.4 + 2.1 + 2.4; 11.3 us with graphs up to 128 rows, whose index_put scatters 256
 update slots), most of it launch latency and dependent loads. Here one program per batch row does all four, in
 three dependent round trips (its packed fields; the token and the table row; the embedding row):
 
@@ -19,8 +19,9 @@ three dependent round trips (its packed fields; the token and the table row; the
 
 Rows are distinct for real sequences; padding rows share the dummy row, and their updates (col 0, block 0) write
 the same value, so the programs never race on a value that matters. Unlike torch's index_put, the padding updates
-land only when a padding row is in the launch; the dummy row holds valid block ids (zeros) either way. KESTREL_FUSED_STEP_INPUTS=0 keeps the torch
-ops (`torch_step_inputs` in forward/decode_graphs.py, also the CPU path).
+land only when a padding row is in the launch; the dummy row holds valid block ids (zeros) either way.
+`DecodeGraphs(fused=False)` (or KESTREL_FUSED_OPS=0) keeps the torch ops (`torch_step_inputs` in
+forward/decode_graphs.py, also the CPU path).
 """
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """Compiled qk_norm_rope_store agrees with its torch reference on CUDA at real model shapes, eagerly, under
-CUDA-graph capture and replay, and inside the engine (on by default; the same tokens as KESTREL_FUSED_ATTN_PROLOGUE=0).
+CUDA-graph capture and replay, and inside the engine (on by default; the same tokens as an engine without it).
 
 Same contract as tests/test_attention_prologue.py (the kernel in Triton's CPU interpreter); compiled casts round
 like torch, so 16-bit results are also expected to be bit-equal to the reference almost everywhere.

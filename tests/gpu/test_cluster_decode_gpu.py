@@ -62,21 +62,6 @@ def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, clu
     assert torch.count_nonzero(out[2]) == 0   # the padded row
 
 
-@pytest.mark.parametrize("cluster", [8, 16])
-@pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", CASES)
-def test_one_warp_tensor_core_programs_match_reference(monkeypatch, num_kv_heads, group, head_dim, block_size,
-                                                       cluster):
-    """KESTREL_CLUSTER_DECODE_WARPS=1: programs small enough to sit beside the QKV matmul's blocks."""
-    from kestrel.attention import cluster_decode
-    monkeypatch.setenv("KESTREL_CLUSTER_DECODE_WARPS", "1")
-    q, k_cache, v_cache, table, lens = _inputs(KV_LENS, num_kv_heads, group, head_dim, block_size,
-                                               seed=group + cluster, index=torch.int64)
-    out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, cluster=cluster,
-                                          tensor_cores=True)
-    torch.testing.assert_close(out.float(), _reference(q, k_cache, v_cache, table, lens).float(),
-                               **TOLERANCE[torch.bfloat16])
-
-
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_cores):
     from kestrel.attention import cluster_decode
@@ -115,7 +100,7 @@ def _identical_share(path: str, monkeypatch, switch: str, on: str, off: str) -> 
 def test_engine_tokens_with_the_kernel_on_and_off(checkpoint_factory, monkeypatch, arch):
     """bf16 random checkpoints (head_dim 64: the kernel's smallest) with decode graphs: the share of identical
     greedy tokens (bf16 near-ties aside)."""
-    same = _identical_share(str(checkpoint_factory(arch, head_dim=64)), monkeypatch, "KESTREL_CLUSTER_DECODE", "8", "0")
+    same = _identical_share(str(checkpoint_factory(arch, head_dim=64)), monkeypatch, "KESTREL_CLUSTER_DECODE", "1", "0")
     print(f"cluster decode {arch}: {same:.1%} of greedy tokens identical")
     assert same > 0.5
 

@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.layers import cuda_gemv, gemv
-from tests.gpu.engine_tokens import routed_tokens_on_and_off
+from kestrel.layers import cuda_gemv, gemv, skinny
+from tests.gpu.engine_tokens import greedy_tokens, routed_tokens_on_and_off
 from tests.gpu.test_gemv_gpu import LAYERS, cuda_inputs, mostly_bit_equal
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -112,8 +112,8 @@ def test_engine_with_the_cuda_matmuls_on_and_off(checkpoint_factory, monkeypatch
     """A bf16 engine whose every decode matmul runs here (KESTREL_CUDA_GEMV=all) against the default path:
     greedy tokens (bf16 near-ties aside)."""
     path = str(checkpoint_factory(arch, hidden_size=256, intermediate_size=512, head_dim=64))
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_MAX_ROWS", "4")   # the 4-sequence decode batches too
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_ROPE", "0")       # the matmuls alone (the fold: tests below)
+    monkeypatch.setattr(skinny, "CUDA_GEMV_MAX_ROWS", 4)   # the 4-sequence decode batches too
+    monkeypatch.setattr(skinny, "FOLD_ROPE", False)        # the matmuls alone (the fold: tests below)
     on, off = routed_tokens_on_and_off(path, monkeypatch, cuda_gemv, "add_rms_norm_gemv_silu",
                                        "KESTREL_CUDA_GEMV", "all", "0", dtype="bfloat16")
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
@@ -178,27 +178,32 @@ def test_add_rms_norm_gemv_rope_matches_the_torch_reference(m):
 
 @pytest.mark.parametrize("arch", ["llama", "qwen2"])   # qwen2: qkv bias
 def test_engine_with_the_prologue_folded_into_qkv_on_and_off(checkpoint_factory, monkeypatch, arch):
-    """Every decode step's QKV projection with rotary and the K/V write folded in (KESTREL_CUDA_GEMV_ROPE=1, the
-    matmuls on the CUDA kernels for every weight and batch) against the same engine with the Triton prologue
-    kernel. The two round rotary differently (the fold as HF, bit-exact above; the Triton prologue differs in
-    ~20% of q/k elements by an ulp, session 13 call 7), so random bf16 models drift apart at near-ties: routed,
-    and most greedy tokens identical."""
+    """Every decode step's QKV projection with rotary and the K/V write folded in (skinny.FOLD_ROPE, the matmuls
+    on the CUDA kernels for every weight and batch) against the same engine with the Triton prologue kernel. The
+    two round rotary differently (the fold as HF, bit-exact above; the Triton prologue differs in ~20% of q/k
+    elements by an ulp), so random bf16 models drift apart at near-ties: routed, and most greedy tokens
+    identical."""
     path = str(checkpoint_factory(arch, hidden_size=256, intermediate_size=512, head_dim=64))
     monkeypatch.setenv("KESTREL_CUDA_GEMV", "all")
-    monkeypatch.setenv("KESTREL_CUDA_GEMV_MAX_ROWS", "4")
-    on, off = routed_tokens_on_and_off(path, monkeypatch, cuda_gemv, "add_rms_norm_gemv_rope",
-                                       "KESTREL_CUDA_GEMV_ROPE", "1", "0", dtype="bfloat16")
+    monkeypatch.setattr(skinny, "CUDA_GEMV_MAX_ROWS", 4)
+    monkeypatch.setattr(skinny, "FOLD_ROPE", False)
+    off = greedy_tokens(path, monkeypatch, {}, dtype="bfloat16")
+    calls = []
+    fold = cuda_gemv.add_rms_norm_gemv_rope
+    monkeypatch.setattr(cuda_gemv, "add_rms_norm_gemv_rope", lambda *a, **k: calls.append(1) or fold(*a, **k))
+    monkeypatch.setattr(skinny, "FOLD_ROPE", True)
+    on = greedy_tokens(path, monkeypatch, {}, dtype="bfloat16")
+    assert calls, "decode did not go through the folded QKV kernel"
     same = sum(a == b for x, y in zip(on, off) for a, b in zip(x, y)) / sum(len(x) for x in off)
     print(f"prologue folded into qkv, {arch}: {same:.1%} of greedy tokens identical")
     assert all(x[0] == y[0] for x, y in zip(on, off)) and same > 0.5   # the first token comes from prefill
 
 
-@pytest.mark.parametrize("prewait", [True, False])
 @pytest.mark.parametrize("fold", ["gemv", "norm", "norm_no_residual", "silu", "rope"])
-def test_the_bulk_copied_activation_changes_no_bit(fold, prewait, monkeypatch):
-    """KESTREL_CUDA_GEMV_TMA_X / _PREWAIT_OFF change only how the activation reaches the block (one bulk copy into
-    shared memory; the weights' first loads after it), not one operation: every output equals the build that
-    reads x from global memory, bit for bit, at the 8B's shapes (one row; the bulk copy serves one row only)."""
+def test_the_bulk_copied_activation_changes_no_bit(fold, monkeypatch):
+    """The TMA_X build changes only how the activation reaches the block (one bulk copy into shared memory), not
+    one operation: every output equals the build that reads x from global memory (the one unaligned rows get),
+    bit for bit, at the 8B's shapes (one row; the bulk copy serves one row only)."""
     layer = {"gemv": "8b.down", "norm": "8b.qkv", "norm_no_residual": "8b.qkv", "silu": "8b.gate_up",
              "rope": "8b.qkv"}[fold]
     t = _bf16(1, layer, seed=300, with_bias=fold == "norm")
@@ -216,18 +221,9 @@ def test_the_bulk_copied_activation_changes_no_bit(fold, prewait, monkeypatch):
         q, res_out = cuda_gemv.add_rms_norm_gemv_rope(*rope_args, *caches, slots, *heads)
         return [q, res_out, *caches]
 
-    def with_env(tma_x: str, prewait_off: str) -> list[torch.Tensor]:
-        monkeypatch.setenv("KESTREL_CUDA_GEMV_TMA_X", tma_x)
-        monkeypatch.setenv("KESTREL_CUDA_GEMV_PREWAIT_OFF", prewait_off)
-        cuda_gemv.staging.cache_clear()
-        try:
-            n, k = t["w"].shape[0] // (2 if fold == "silu" else 1), t["w"].shape[1]
-            assert cuda_gemv.staging(1, n, k) == cuda_gemv.Staging(tma_x=tma_x == "1", prewait=prewait_off == "0")
-            return run()
-        finally:
-            cuda_gemv.staging.cache_clear()
-
-    want = with_env("0", "0")
-    got = with_env("1", "0" if prewait else "1")
+    assert cuda_gemv.use_bulk_copy(1, t["x"], residual)
+    got = run()
+    monkeypatch.setattr(cuda_gemv, "use_bulk_copy", lambda *args: False)
+    want = run()
     for g, w in zip(got, want):
         assert torch.equal(g, w)

@@ -33,16 +33,7 @@ def _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 8, None])
-# block_n, warps: KESTREL_DECODE_BLOCK_N (the key tile and shortest split, 32 by default), KESTREL_DECODE_WARPS (4)
-@pytest.mark.parametrize("merge,prefetch,block_n,warps", [
-    ("atomic", "0", "64", "4"), ("reduce", "0", "64", "4"), ("atomic", "1", "64", "4"), ("atomic", "1", "32", "4"),
-    ("reduce", "0", "32", "4"), ("atomic", "1", "16", "4"), ("atomic", "1", "32", "2")])
-def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dtype, num_splits, merge, prefetch,
-                                  block_n, warps, monkeypatch):
-    monkeypatch.setenv("KESTREL_DECODE_MERGE", merge)
-    monkeypatch.setenv("KESTREL_DECODE_PREFETCH", prefetch)
-    monkeypatch.setenv("KESTREL_DECODE_BLOCK_N", block_n)
-    monkeypatch.setenv("KESTREL_DECODE_WARPS", warps)
+def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
     from kestrel.attention import torch_ref, triton_kernels
     kv_lens = [1, 63, 64, 65, 517, 2048, 3001, 4096] * 4     # 32 sequences, tile and split boundaries
     k_cache, v_cache, table = _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + group)

@@ -1,4 +1,4 @@
-"""KESTREL_FUSED_ARGMAX (layers/logits_argmax.py) on the GPU: the kernel equals `.float()` + torch.argmax at the
+"""The fused logits argmax (layers/logits_argmax.py) on the GPU: the kernel equals `.float()` + torch.argmax at the
 real vocabularies, inside a replayed CUDA graph (the counters must come back to zero every replay), and whole
 engines give the same greedy tokens with it on and off."""
 from __future__ import annotations
@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tests.gpu.engine_tokens import switch_keeps_tokens
+from tests.gpu.engine_tokens import graph_head_keeps_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -36,4 +36,4 @@ def test_kernel_in_a_graph_equals_torch_on_every_replay(vocab, rows):
 
 @pytest.mark.parametrize("arch", ["qwen3", None])   # a random checkpoint (bf16) and the default model
 def test_engine_tokens_identical_with_and_without_the_fused_argmax(checkpoint_factory, monkeypatch, arch):
-    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, arch, "KESTREL_FUSED_ARGMAX")
+    assert graph_head_keeps_tokens(checkpoint_factory, arch)

@@ -1,4 +1,4 @@
-"""KESTREL_FUSED_STEP_INPUTS (layers/step_inputs.py) on the GPU: the graph head's kernel equals the torch ops it
+"""The decode graph's fused head (layers/step_inputs.py) on the GPU: the graph head's kernel equals the torch ops it
 replaces at the real sizes (8,192-column tables, Llama-3.1-8B's hidden size, 128 rows, 256 updates) inside a
 replayed CUDA graph, where its CTA barrier (a row's new entries, then the row's copy) is what keeps it right;
 and whole engines give the same greedy tokens with it on and off."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from kestrel.forward.decode_graphs import packed_layout, torch_step_inputs
-from tests.gpu.engine_tokens import switch_keeps_tokens
+from tests.gpu.engine_tokens import graph_head_keeps_tokens
 from tests.test_step_inputs import _random_step
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -55,4 +55,4 @@ def test_kernel_in_a_graph_equals_the_torch_ops_on_every_replay(q, bucket):
 
 @pytest.mark.parametrize("arch", ["llama", None])   # a random checkpoint (bf16) and the default model
 def test_engine_tokens_identical_with_and_without_the_fused_head(checkpoint_factory, monkeypatch, arch):
-    assert switch_keeps_tokens(checkpoint_factory, monkeypatch, arch, "KESTREL_FUSED_STEP_INPUTS")
+    assert graph_head_keeps_tokens(checkpoint_factory, arch)
