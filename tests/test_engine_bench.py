@@ -5,8 +5,7 @@ import pytest
 from benchmarks.engine_bench import decode_weight_bytes, single_stream
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
-from kestrel.models.loader import load_weights
-from kestrel.models.model_config import load_model_config
+from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.registry import model_class
 
 

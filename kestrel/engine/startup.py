@@ -16,8 +16,8 @@ from kestrel.forward.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.ops import choose_layer_ops
-from kestrel.models.loader import load_weights
-from kestrel.models.model_config import ModelConfig, load_model_config
+from kestrel.models.checkpoint import load_model_config, load_weights
+from kestrel.models.model_config import ModelConfig
 from kestrel.models.registry import model_class
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress, child_cpu_progress

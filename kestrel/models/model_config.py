@@ -42,10 +42,8 @@ def _as_tuple(value: Any) -> tuple[int, ...]:
     return tuple(int(v) for v in value)
 
 
-def load_model_config(model_dir: Path) -> ModelConfig:
-    if model_dir.suffix.lower() == ".gguf":   # metadata inside the file instead of config.json
-        from kestrel.models.gguf.reader import gguf_model_config
-        return gguf_model_config(model_dir)
+def hf_model_config(model_dir: Path) -> ModelConfig:
+    """The ModelConfig of an HF checkpoint directory (its config.json)."""
     path = model_dir / "config.json"
     if not path.is_file():
         raise ModelLoadError(f"{path} not found: a checkpoint directory needs config.json")

@@ -13,6 +13,7 @@ from torch import nn
 
 from kestrel.errors import ModelLoadError
 from kestrel.models.gguf.reader import architecture, field, open_gguf
+from kestrel.models.weight_placer import WeightPlacer
 from kestrel.progress import Progress
 
 logger = logging.getLogger("kestrel.gguf")
@@ -100,9 +101,7 @@ def hf_tensors(path: Path) -> Iterator[tuple[str, torch.Tensor, int]]:
 
 
 def load_gguf_weights(model: nn.Module, path: Path, progress: Progress | None = None) -> None:
-    """loader.load_weights for a .gguf file: same name mapping onto merged parameters, same completeness check."""
-    from kestrel.models.loader import WeightPlacer
-
+    """load_safetensors_weights for a .gguf file: same name mapping onto merged parameters, same completeness check."""
     reader = open_gguf(path)
     total = sum(int(t.n_bytes) for t in reader.tensors)
     placer = WeightPlacer(model)
