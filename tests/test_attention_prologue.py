@@ -68,7 +68,7 @@ CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype, qk_norm): every 
 @interpreted_only
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype,qk_norm", CASES)
 def test_kernel_matches_reference_q_and_cache(num_kv_heads, group, head_dim, block_size, dtype, qk_norm):
-    from kestrel.layers.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
     num_heads = num_kv_heads * group
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots = prologue_inputs(
         7, num_heads, num_kv_heads, head_dim, block_size, dtype, qk_norm, seed=head_dim + group, pad_cols=16)
@@ -93,15 +93,15 @@ def test_kernel_matches_reference_q_and_cache(num_kv_heads, group, head_dim, blo
 
 @interpreted_only
 def test_kernel_without_qk_norm_is_rotary_then_store_kv():
-    from kestrel.attention import triton_kernels
-    from kestrel.layers import fused_ops
-    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import fused_ops
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     qkv, _, positions, k_cache, v_cache, slots = prologue_inputs(5, 4, 2, 64, 4, torch.float32, False, seed=9)
     cache = cos_sin_cache(64)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     q_ref, k_ref, v_ref = qkv.clone().split([256, 128, 128], dim=-1)
     q_ref, k_ref = fused_ops.apply_rotary(q_ref.view(5, 4, 64), k_ref.view(5, 2, 64), positions, cache)
-    triton_kernels.store_kv(k_ref, v_ref.view(5, 2, 64), want_k, want_v, slots)
+    paged_attention.store_kv(k_ref, v_ref.view(5, 2, 64), want_k, want_v, slots)
     q = qk_norm_rope_store(qkv, None, None, 1e-6, positions, cache, k_cache, v_cache, slots, 4, 2, 64)
     torch.testing.assert_close(q, q_ref, **TOLERANCE[torch.float32])
     torch.testing.assert_close(k_cache, want_k, **TOLERANCE[torch.float32])
@@ -110,7 +110,7 @@ def test_kernel_without_qk_norm_is_rotary_then_store_kv():
 
 @interpreted_only
 def test_kernel_with_no_tokens_returns_an_empty_q():
-    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots = prologue_inputs(0, 4, 2, 64, 4, torch.float32, True,
                                                                           seed=1)
     before = k_cache.clone()
@@ -122,8 +122,8 @@ def test_kernel_with_no_tokens_returns_an_empty_q():
 def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
     from kestrel.attention.triton_backend import TritonAttentionBackend
     from kestrel.forward.batch import build_forward_batch
-    from kestrel.layers import fused_ops
-    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.kernels.triton import fused_ops
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     gen = torch.Generator().manual_seed(11)
     block_size, num_heads, num_kv_heads, head_dim = 4, 8, 2, 64
     q_w, k_w = (1 + 0.5 * torch.randn(head_dim, generator=gen) for _ in range(2))
@@ -156,7 +156,7 @@ def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
 @pytest.mark.skipif(INTERPRETED, reason="runs in the normal process")
 def test_qwen3_with_reference_prologue_gives_the_unfused_greedy_tokens(checkpoint_factory):
     from kestrel import LLM, SamplingParams
-    from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store_ref
     path = str(checkpoint_factory("qwen3"))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)

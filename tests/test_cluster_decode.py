@@ -1,5 +1,5 @@
 """The cluster decode kernel's build, on CPU: NVRTC (the nvidia-cuda-nvrtc wheel, no GPU needed) compiles
-attention/cluster_decode.cu for Hopper at the real models' shapes, and its PTX keeps the ordering the kernel's PDL
+kestrel/kernels/cuda/cluster_decode.cu for Hopper at the real models' shapes, and its PTX keeps the ordering the kernel's PDL
 contract needs. Its numbers are checked on the GPU (tests/gpu/test_cluster_decode_gpu.py)."""
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kestrel import cuda_rtc
-from kestrel.attention import cluster_decode
+from kestrel.kernels.cuda import cuda_rtc
+from kestrel.kernels.cuda import cluster_decode
 from kestrel.envs import switches
 
 needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")

@@ -1,4 +1,4 @@
-"""The CUDA C++ skinny matmul's build, on CPU: NVRTC compiles layers/skinny_gemv.cu for Hopper at the Llama-3.1-8B's
+"""The CUDA C++ skinny matmul's build, on CPU: NVRTC compiles kestrel/kernels/cuda/skinny_gemv.cu for Hopper at the Llama-3.1-8B's
 layer shapes for 1, 2 and 4 rows without spills, and its PTX keeps the PDL contract (only weight loads, on the
 read-only L1-bypassing path, before griddepcontrol.wait). Its numbers are checked on the GPU
 (tests/gpu/test_cuda_gemv_gpu.py)."""
@@ -10,8 +10,8 @@ from collections import Counter
 import pytest
 import torch
 
-from kestrel import cuda_rtc
-from kestrel.layers import cuda_gemv
+from kestrel.kernels.cuda import cuda_rtc
+from kestrel.kernels.cuda import cuda_gemv
 
 needs_nvrtc = pytest.mark.skipif(not cuda_rtc.nvrtc_available(), reason="NVRTC (nvidia-cuda-nvrtc) not installed")
 

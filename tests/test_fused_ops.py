@@ -1,4 +1,4 @@
-"""The torch references in kestrel/layers/fused_ops.py reproduce HF transformers' Llama ops bit for bit.
+"""The torch references in kestrel/kernels/triton/fused_ops.py reproduce HF transformers' Llama ops bit for bit.
 
 These references are the oracle the Triton kernels are held to (tests/test_triton_kernels.py on CPU,
 tests/gpu/test_kernels_gpu.py on CUDA), so they must match HF exactly in every dtype, roundings included.
@@ -11,7 +11,7 @@ from transformers import LlamaConfig
 from transformers.activations import ACT2FN
 from transformers.models.llama.modeling_llama import LlamaRMSNorm, LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from kestrel.layers.fused_ops import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
+from kestrel.kernels.triton.fused_ops import apply_rotary_ref, rms_norm_ref, silu_and_mul_ref
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 
@@ -76,7 +76,7 @@ def test_rotary_ref_is_hf_apply_rotary_pos_emb(dtype):
 def test_pdl_is_off_on_cpu_and_under_the_env_switch(monkeypatch):
     """PDL launch options only on a CUDA device of compute capability >= 9 (tests/gpu/test_pdl_gpu.py checks
     that side); on CPU the kernels get USE_PDL=False and no launch_pdl keyword."""
-    from kestrel.layers.pdl import launch_options, pdl_enabled
+    from kestrel.kernels.triton.pdl import launch_options, pdl_enabled
     from kestrel.envs import switches
     assert launch_options(torch.device("cpu")) == {"USE_PDL": False}
     monkeypatch.setenv("KESTREL_PDL", "0")

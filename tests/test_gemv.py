@@ -1,4 +1,4 @@
-"""Skinny-matmul kernels (kestrel/layers/gemv.py) agree with their torch references; the references are the ops
+"""Skinny-matmul kernels (kestrel/kernels/triton/gemv.py) agree with their torch references; the references are the ops
 they replace (fused_ops RMSNorm / SiLU-and-mul, then F.linear), bit for bit.
 
 The kernels run on CPU in Triton's interpreter, in a child pytest started with TRITON_INTERPRET=1 (see
@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from kestrel.layers import fused_ops, gemv
+from kestrel.kernels.triton import fused_ops, gemv
 from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
 from tests.triton_interpreter import interpreted_only as interpreted_only_marker
 

@@ -1,4 +1,4 @@
-"""The fused logits cast + argmax (kestrel/layers/logits_argmax.py) against torch's `.float()` and
+"""The fused logits cast + argmax (kestrel/kernels/triton/logits_argmax.py) against torch's `.float()` and
 `torch.argmax`, run on CPU by Triton's interpreter: first index of the maximum across chunk boundaries, ties,
 NaN, several rows, and the counters left at zero for the next launch (as a graph replay needs)."""
 from __future__ import annotations
@@ -17,7 +17,7 @@ def test_logits_argmax_under_triton_interpreter():
 
 
 def _check(logits: torch.Tensor, scratch) -> None:
-    from kestrel.layers.logits_argmax import logits_argmax
+    from kestrel.kernels.triton.logits_argmax import logits_argmax
     tokens = torch.full((logits.shape[0],), -1, dtype=torch.int64)
     out = logits_argmax(logits, tokens, scratch)
     assert out.dtype == torch.float32
@@ -29,7 +29,7 @@ def _check(logits: torch.Tensor, scratch) -> None:
 @interpreted
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_matches_torch_over_several_chunks_and_rows(dtype):
-    from kestrel.layers.logits_argmax import BLOCK, alloc_argmax_scratch
+    from kestrel.kernels.triton.logits_argmax import BLOCK, alloc_argmax_scratch
     gen = torch.Generator().manual_seed(3)
     vocab = 3 * BLOCK + 123   # four chunks, the last one short
     scratch = alloc_argmax_scratch(6, torch.device("cpu"))
@@ -39,7 +39,7 @@ def test_matches_torch_over_several_chunks_and_rows(dtype):
 
 @interpreted
 def test_ties_go_to_the_first_index_across_and_inside_chunks():
-    from kestrel.layers.logits_argmax import BLOCK, alloc_argmax_scratch
+    from kestrel.kernels.triton.logits_argmax import BLOCK, alloc_argmax_scratch
     vocab = 2 * BLOCK + 10
     logits = torch.zeros(4, vocab, dtype=torch.bfloat16)
     logits[0, [BLOCK + 5, 7, 2 * BLOCK + 1]] = 3.0          # the maximum in three chunks: index 7 wins
@@ -51,7 +51,7 @@ def test_ties_go_to_the_first_index_across_and_inside_chunks():
 
 @interpreted
 def test_refuses_a_vocabulary_beyond_its_chunks():
-    from kestrel.layers.logits_argmax import BLOCK, MAX_CHUNKS, alloc_argmax_scratch, logits_argmax
+    from kestrel.kernels.triton.logits_argmax import BLOCK, MAX_CHUNKS, alloc_argmax_scratch, logits_argmax
     logits = torch.zeros(1, MAX_CHUNKS * BLOCK + 1)
     with pytest.raises(AssertionError, match="vocabulary"):
         logits_argmax(logits, torch.zeros(1, dtype=torch.int64), alloc_argmax_scratch(1, torch.device("cpu")))

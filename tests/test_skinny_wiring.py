@@ -9,10 +9,10 @@ import torch.nn.functional as F
 
 from kestrel import LLM, SamplingParams
 from kestrel.layers.norm import rms_norm_torch
-from kestrel.layers.cuda_gemv import add_rms_norm_gemv_rope_ref, add_rms_norm_gemv_silu_ref
+from kestrel.kernels.cuda.cuda_gemv import add_rms_norm_gemv_rope_ref, add_rms_norm_gemv_silu_ref
 from kestrel.layers.linear import LinearBase
 from kestrel.layers.skinny import CudaSkinny, SkinnyLinearMethod, cuda_skinny, skinny_policy
-from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
+from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store_ref
 
 
 def _add_rms_norm_linear(x, residual, norm_weight, eps, w, bias=None):

@@ -18,7 +18,7 @@ DECODE_TYPES = {"block_table_ptr": "*i64", "kv_lens_ptr": "*i64", "part_out_ptr"
 
 @pytest.mark.parametrize("group", [2, 4])   # Qwen3-0.6B, Llama-3.1-8B
 def test_decode_kernel_builds_for_sm90(group):
-    from kestrel.attention.triton_kernels import _decode_kernel
+    from kestrel.kernels.triton.paged_attention import _decode_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16,
                       DOT_FP32=False, DOT_PRECISION="tf32", INTERPRET=False, BLOCK_S=32, USE_PDL=True)
     ptx = compile_for_sm90(_decode_kernel, constexprs, DECODE_TYPES, dict(num_warps=4, num_stages=2))
@@ -32,7 +32,7 @@ def test_decode_kernel_builds_for_sm90(group):
 
 
 def test_logits_argmax_kernel_builds_for_sm90():
-    from kestrel.layers.logits_argmax import BLOCK, MAX_CHUNKS, _logits_argmax_kernel
+    from kestrel.kernels.triton.logits_argmax import BLOCK, MAX_CHUNKS, _logits_argmax_kernel
     ptx = compile_for_sm90(_logits_argmax_kernel,
                            dict(NUM_CHUNKS=38, BLOCK=BLOCK, BLOCK_C=64, MAX_CHUNKS=MAX_CHUNKS, USE_PDL=True),
                            {"out_ptr": "*fp32", "tokens_ptr": "*i64", "part_max_ptr": "*fp32",
@@ -49,9 +49,9 @@ def test_pdl_signal_placement_for_sm90():
     """Every PDL kernel of the decode step lets the next kernel launch only after its own wait, and exactly once
     (signalling at the start instead lost on the H200: +3.8% and +5.3% on the 0.6B step, session 8)."""
     use_pdl = True
-    from kestrel.attention.triton_kernels import _decode_kernel
-    from kestrel.layers.fused_ops import _rms_norm_kernel
-    from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
+    from kestrel.kernels.triton.paged_attention import _decode_kernel
+    from kestrel.kernels.triton.fused_ops import _rms_norm_kernel
+    from kestrel.kernels.triton.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
     skinny = compile_for_sm90(_skinny_matmul_kernel, dict(
         K=1024, PROLOGUE=PROLOGUE_RMS.value, HAS_RES=True, HAS_BIAS=False, BLOCK_M=1, BLOCK_N=16, BLOCK_K=1024,
         USE_DOT=False, FOLD=1, UNROLL=True, DOT_FP32=False, DOT_PRECISION="tf32", USE_PDL=use_pdl,
@@ -61,9 +61,9 @@ def test_pdl_signal_placement_for_sm90():
     decode = compile_for_sm90(_decode_kernel, dict(
         GROUP=2, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16, DOT_FP32=False,
         DOT_PRECISION="tf32", INTERPRET=False, BLOCK_S=32, USE_PDL=use_pdl), DECODE_TYPES)
-    from kestrel.layers.attention_prologue import _qk_norm_rope_store_kernel
-    from kestrel.layers.fused_ops import _silu_and_mul_kernel
-    from kestrel.layers.logits_argmax import BLOCK, MAX_CHUNKS, _logits_argmax_kernel
+    from kestrel.kernels.triton.attention_prologue import _qk_norm_rope_store_kernel
+    from kestrel.kernels.triton.fused_ops import _silu_and_mul_kernel
+    from kestrel.kernels.triton.logits_argmax import BLOCK, MAX_CHUNKS, _logits_argmax_kernel
     silu = compile_for_sm90(_silu_and_mul_kernel, dict(I=3072, BLOCK=1024, USE_PDL=use_pdl), {})
     prologue = compile_for_sm90(_qk_norm_rope_store_kernel, dict(
         NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16, HAS_Q_NORM=True,
@@ -81,7 +81,7 @@ def test_pdl_signal_placement_for_sm90():
 def test_one_pass_norm_skinny_matmul_builds_for_sm90(block_m):
     """The one-pass add-RMSNorm (gemv.one_pass_norm) against two passes: more loads before the PDL wait (the norm
     weight joins the weight slice), fewer after it (x and the residual read once)."""
-    from kestrel.layers.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
+    from kestrel.kernels.triton.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
 
     def loads_around_wait(one_pass: bool) -> tuple[int, int]:
         ptx = compile_for_sm90(_skinny_matmul_kernel, dict(
@@ -110,8 +110,8 @@ def test_rotary_kernels_round_each_product_as_hf(qk_norm):
     """The attention prologue and the rotary kernel, built with their launch's HF_ROUNDING: each bf16 product is
     rounded (mul.rn.bf16) before the sum; with Triton's default contraction the product and the sum become one
     fma.rn.bf16 that rounds once (16-19% of q elements an ulp off HF's on the H200, session 13)."""
-    from kestrel.layers.attention_prologue import _qk_norm_rope_store_kernel
-    from kestrel.layers.fused_ops import HF_ROUNDING, _rotary_kernel
+    from kestrel.kernels.triton.attention_prologue import _qk_norm_rope_store_kernel
+    from kestrel.kernels.triton.fused_ops import HF_ROUNDING, _rotary_kernel
     constexprs = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16,
                       HAS_Q_NORM=qk_norm, HAS_K_NORM=qk_norm, USE_PDL=True)
     contracted = compile_for_sm90(_qk_norm_rope_store_kernel, constexprs, PROLOGUE_TYPES)

@@ -1,4 +1,4 @@
-"""The decode graph's fused head (kestrel/layers/step_inputs.py) against the torch ops it replaces
+"""The decode graph's fused head (kestrel/kernels/triton/step_inputs.py) against the torch ops it replaces
 (engine/cuda_graphs.torch_step_inputs), run on CPU by Triton's interpreter on fresh random inputs: table updates
 for batch rows and the dummy row, rows whose blocks span several column chunks, padded rows, tokens taken from
 the host's input_ids or from the previous step's prev_tokens, one and several query tokens a row, and repeated
@@ -57,7 +57,7 @@ def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int
 @interpreted
 @pytest.mark.parametrize("q", [1, 3])
 def test_matches_the_torch_ops_on_random_steps(q):
-    from kestrel.layers.step_inputs import step_inputs
+    from kestrel.kernels.triton.step_inputs import step_inputs
     rng = random.Random(7 + q)
     max_bs, max_rows, width, block_size, vocab, hidden = 8, 12, 150, 2, 50, 40   # 150 columns: 3 chunks of 64
     max_updates = 2 * max_bs
@@ -84,7 +84,7 @@ def test_matches_the_torch_ops_on_random_steps(q):
 
 @pytest.mark.skipif(INTERPRETED, reason="builds the compiled kernel; the parent process runs it")
 def test_step_inputs_kernel_builds_for_sm90():
-    from kestrel.layers.step_inputs import _step_inputs_kernel
+    from kestrel.kernels.triton.step_inputs import _step_inputs_kernel
     from tests.sm90 import compile_for_sm90
     ptx = compile_for_sm90(_step_inputs_kernel, {"Q": 1, "QP": 1, "HIDDEN": 4096, "UPD_BLOCK": 256, "COL_BLOCK": 64, "HID_BLOCK": 2048},
                            {"packed_ptr": "*i64", "tables_ptr": "*i64", "block_table_ptr": "*i64",

@@ -3,7 +3,7 @@
 Triton decides at `import triton` whether kernels are compiled or interpreted, and in a full test run something
 (transformers, torch._dynamo) has imported it long before this module. So in a normal process this module runs
 one test, which starts a child pytest on this file with TRITON_INTERPRET=1; in that child the kernel tests run.
-Known interpreter gaps the kernels work around (see triton_kernels.py): bf16 tl.dot is wrong, so interpreted
+Known interpreter gaps the kernels work around (see paged_attention.py): bf16 tl.dot is wrong, so interpreted
 kernels upcast bf16 to fp32 before dots; fp32->bf16 casts truncate instead of rounding, so bf16 comparisons
 allow a couple of bf16 ulps; tensor loop bounds fail with numpy >= 2.4, so interpreted kernels use while loops.
 """
@@ -62,7 +62,8 @@ ATTN_CASES = [  # (num_kv_heads, group, head_dim, block_size, dtype)
 @interpreted_only
 @pytest.mark.parametrize("block_size", [2, 16])
 def test_store_kv_writes_each_token_at_its_slot_and_skips_minus_one(block_size):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(block_size)
     k_cache, v_cache, _ = random_paged_cache([40], 2, 64, block_size, torch.float32, gen)
     k = torch.randn(7, 2, 64, generator=gen)
@@ -70,7 +71,7 @@ def test_store_kv_writes_each_token_at_its_slot_and_skips_minus_one(block_size):
     slots = torch.tensor([3, -1, 0, 17, -1, 5, 30], dtype=torch.int64)
     expect_k, expect_v = k_cache.clone(), v_cache.clone()
     torch_ref.store_kv(k, v, expect_k, expect_v, slots)
-    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    paged_attention.store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, expect_k) and torch.equal(v_cache, expect_v)
 
 
@@ -94,13 +95,14 @@ def test_unpadded_store_kv_equals_the_filtering_one():
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(head_dim * block_size + group)
     kv_lens = [1, 17, 75]    # 75 tokens span several 16-token tiles and every one of 3 splits
     k_cache, v_cache, table = random_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, dtype, gen)
     q = torch.randn(3, num_kv_heads * group, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
+    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1, 1, 1]), lens, 1, max(kv_lens),
                                     head_dim ** -0.5)
     assert out.dtype == dtype
@@ -109,15 +111,16 @@ def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_d
 
 @interpreted_only
 def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, table = random_paged_cache([70, 70], 2, 64, 4, torch.float32, gen)
     q = torch.randn(2, 8, 64, generator=gen)
-    partials = triton_kernels.alloc_decode_partials(4, 8, 2, 64, q.device)   # sized for a larger max batch
+    partials = paged_attention.alloc_decode_partials(4, 8, 2, 64, q.device)   # sized for a larger max batch
     lens = torch.zeros(2, dtype=torch.int32)
     for new_lens in ([70, 3], [16, 64], [1, 33]):
         lens.copy_(torch.tensor(new_lens))         # same tensors, same shapes, new contents
-        out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 4, partials)
+        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 4, partials)
         ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1, 1]), lens, 1, 70, 0.125)
         torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
@@ -125,19 +128,20 @@ def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
 @interpreted_only
 @pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float16), (8, torch.bfloat16)])
 def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(group, dtype):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(8 + group)
     num_kv_heads, head_dim = 2, 64
     k_cache, v_cache, table = random_paged_cache([100] * 5, num_kv_heads, head_dim, 4, dtype, gen)
     q = torch.zeros(5, num_kv_heads * group, head_dim, dtype=dtype)
     lens = torch.zeros(5, dtype=torch.int32)
-    partials = triton_kernels.alloc_decode_partials(8, num_kv_heads * group, num_kv_heads, head_dim, q.device)
+    partials = paged_attention.alloc_decode_partials(8, num_kv_heads * group, num_kv_heads, head_dim, q.device)
     # With 4 splits and the interpreter's 16-token tiles, a context of n tokens uses cdiv(n, per_split) splits:
     # 0 -> none (padded row), 1..16 -> 1, 17 -> 2, 33 / 40 / 65 -> 3, 64 / 100 -> 4 (all).
     for new_lens in ([100, 0, 16, 40, 1], [0, 65, 17, 0, 33], [64, 100, 0, 9, 40], [0, 0, 0, 0, 0]):
         lens.copy_(torch.tensor(new_lens))         # same tensors and scratch every call, like a graph replay
         q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
-        out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, 4, partials)
+        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, 4, partials)
         ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1] * 5), lens, 1, 100,
                                         head_dim ** -0.5)
         torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
@@ -153,7 +157,8 @@ def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len):
     """The first tile is read before the PDL wait without the newest token's row (on the GPU the kernel before
     decode is still writing it) and that row is read after the wait and put back; here it dominates the scores
     and values, so an answer without it, or with it twice, differs from the reference."""
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(kv_len)
     k_cache, v_cache, table = random_paged_cache([kv_len], 2, 64, 4, torch.float32, gen)
     q = torch.randn(1, 4, 64, generator=gen)
@@ -161,19 +166,19 @@ def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len):
     block, offset = table[0, (kv_len - 1) // 4].item(), (kv_len - 1) % 4
     k_cache[block, offset] = 3 * torch.randn(2, 64, generator=gen)   # the newest token stands out in the scores
     v_cache[block, offset] = 10.0
-    out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 3)
+    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 3)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1]), lens, 1, kv_len, 0.125)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
 
 @interpreted_only
 def test_decode_of_a_padded_row_with_no_context_is_zero():
-    from kestrel.attention import triton_kernels
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, table = random_paged_cache([20, 1], 1, 64, 16, torch.float32, gen)
     q = torch.randn(2, 4, 64, generator=gen)
     lens = torch.tensor([20, 0], dtype=torch.int32)
-    out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 2)
+    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 2)
     assert torch.isfinite(out).all()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 
@@ -184,7 +189,8 @@ def test_decode_of_a_padded_row_with_no_context_is_zero():
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 def test_extend_matches_reference_for_prefill_chunk_verify_and_decode_rows(num_kv_heads, group, head_dim,
                                                                           block_size, dtype):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(head_dim + block_size + group)
     # full prefill of 20, a 21-token chunk after a 30-token prefix, a 4-token verify after 40, a single decode
     query_lens = [20, 21, 4, 1]
@@ -192,20 +198,21 @@ def test_extend_matches_reference_for_prefill_chunk_verify_and_decode_rows(num_k
     k_cache, v_cache, table = random_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, dtype, gen)
     q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=gen).to(dtype)
     qsl, lens = start_locs(query_lens), torch.tensor(kv_lens, dtype=torch.int32)
-    out = triton_kernels.extend_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens), 0.1)
+    out = paged_attention.extend_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens), 0.1)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens), max(kv_lens), 0.1)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
 
 
 @interpreted_only
 def test_extend_reads_a_strided_query_view():
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache, table = random_paged_cache([12], 2, 64, 4, torch.float32, gen)
     qkv = torch.randn(12, (4 + 2 + 2) * 64, generator=gen)
     q = qkv[:, : 4 * 64].view(12, 4, 64)           # a slice of a fused projection, not contiguous
     qsl, lens = start_locs([12]), torch.tensor([12], dtype=torch.int32)
-    out = triton_kernels.extend_attention(q, k_cache, v_cache, table, qsl, lens, 12, 0.125)
+    out = paged_attention.extend_attention(q, k_cache, v_cache, table, qsl, lens, 12, 0.125)
     ref = torch_ref.paged_attention(q.contiguous(), k_cache, v_cache, table, qsl, lens, 12, 12, 0.125)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
@@ -245,7 +252,7 @@ def test_triton_backend_matches_torch_backend_on_extend_then_decode(with_graph_b
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_reference(dtype, with_residual):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     gen = torch.Generator().manual_seed(5)
     x = torch.randn(5, 96, generator=gen).to(dtype)    # 96: not a power of two
     weight = torch.randn(96, generator=gen).to(dtype)
@@ -261,7 +268,7 @@ def test_rms_norm_kernel_matches_reference(dtype, with_residual):
 
 @interpreted_only
 def test_rms_norm_kernel_normalises_per_head_for_qk_norm():
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     gen = torch.Generator().manual_seed(6)
     x = torch.randn(3, 4, 64, generator=gen)
     weight = torch.randn(64, generator=gen)
@@ -271,7 +278,7 @@ def test_rms_norm_kernel_normalises_per_head_for_qk_norm():
 @interpreted_only
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_silu_and_mul_kernel_matches_reference(dtype):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     x = torch.randn(4, 2 * 80, generator=torch.Generator().manual_seed(7)).to(dtype)
     got, want = fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x)
     assert got.shape == (4, 80)
@@ -288,7 +295,7 @@ def _cos_sin_cache(rot_dim: int, max_pos: int = 256) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 @pytest.mark.parametrize("head_dim,rot_dim", [(64, 64), (128, 128), (64, 32)])
 def test_rotary_kernel_rotates_q_and_k_in_place_like_reference(dtype, head_dim, rot_dim):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     gen = torch.Generator().manual_seed(head_dim + rot_dim)
     # q and k as strided views of one fused qkv projection, the way a model hands them over
     qkv = torch.randn(6, (4 + 2 + 2) * head_dim, generator=gen).to(dtype)

@@ -9,7 +9,7 @@ Paged KV cache, one pair of tensors per layer:
 forward() first writes the step's new K/V into the cache at slot_mapping (slot -1: skip), then attends each
 query token to every cached token of its sequence at or before its own position:
     query i of sequence s sits at position kv_lens[s] - query_len[s] + i.
-A model whose fused attention prologue (layers/attention_prologue.py) has already written the step's K/V passes
+A model whose fused attention prologue (kestrel/kernels/triton/attention_prologue.py) has already written the step's K/V passes
 k = v = None instead; only backends whose supports_prewritten_kv() is True are handed that.
 """
 from __future__ import annotations

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from kestrel.attention import triton_kernels
+from kestrel.kernels.triton import paged_attention
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch
 from kestrel.errors import KestrelError
@@ -52,7 +52,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned_for = None   # plan again at the first layer of this step
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
-        triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if self._planned_for is not batch:   # every layer of a step shares one plan
             self._plan(batch, q, k_cache, scale)
             self._planned_for = batch            # a strong reference, so the identity test cannot be fooled

@@ -1,9 +1,10 @@
-"""TritonAttentionBackend: the CUDA fast path (kernels in triton_kernels.py, oracle in torch_ref.py)."""
+"""TritonAttentionBackend: the CUDA fast path (kernels in paged_attention.py, oracle in torch_ref.py)."""
 from __future__ import annotations
 
 import torch
 
-from kestrel.attention import cluster_decode, triton_kernels
+from kestrel.kernels.cuda import cluster_decode
+from kestrel.kernels.triton import paged_attention
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch
 
@@ -25,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._max_batch_size = 0
-        self._partials: triton_kernels.DecodeScratch | None = None
+        self._partials: paged_attention.DecodeScratch | None = None
 
     def supports_graphs(self) -> bool:
         return True
@@ -39,20 +40,20 @@ class TritonAttentionBackend(AttentionBackend):
 
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the fused attention prologue already wrote this step's K/V
-            triton_kernels.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if batch.is_decode:
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             num_seqs, num_heads, head_dim = q.shape
             if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
                 return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale)
             partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
-            return triton_kernels.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
+            return paged_attention.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
                                                    partials=partials)
-        return triton_kernels.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
+        return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         device: torch.device) -> triton_kernels.DecodeScratch | None:
+                         device: torch.device) -> paged_attention.DecodeScratch | None:
         if self._max_batch_size == 0:
             return None   # no graphs: the decode launch allocates scratch per call
         scratch = self._partials
@@ -60,5 +61,5 @@ class TritonAttentionBackend(AttentionBackend):
                 or scratch[0].shape[1] != num_heads or scratch[0].shape[3] != head_dim
                 or scratch[2].shape[1] != num_kv_heads):
             rows = max(self._max_batch_size, num_seqs)
-            self._partials = triton_kernels.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, device)
+            self._partials = paged_attention.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, device)
         return self._partials

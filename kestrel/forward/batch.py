@@ -50,7 +50,7 @@ class ForwardBatch:
     max_kv_len: int
     capture_hidden_layers: tuple[int, ...] = ()  # layers whose *input* hidden states are returned (EAGLE-3)
     input_embeds: torch.Tensor | None = None     # [T, hidden] when the caller already looked the tokens up
-                                                 # (the decode graphs' fused head, layers/step_inputs.py)
+                                                 # (the decode graphs' fused head, kestrel/kernels/triton/step_inputs.py)
 
     @property
     def num_tokens(self) -> int:

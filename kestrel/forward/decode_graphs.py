@@ -16,7 +16,7 @@ Block tables live on the device across steps ("persistent rows"): each running s
 
 and a step only ships the blocks appended since the sequence's last graph step, as (row, col, block) triples
 that the graph scatters into `tables` before gathering the batch's rows (on CUDA one kernel does the scatter, the
-gather, the input tokens and their embeddings: layers/step_inputs.py). The packed input buffer (int64):
+gather, the input tokens and their embeddings: kestrel/kernels/triton/step_inputs.py). The packed input buffer (int64):
 
     | prev_tokens [B*Q] | input_ids [B*Q] | input_src [B*Q] | positions [B*Q] | slot_mapping [B*Q] |
     | kv_lens [B] | rows [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
@@ -70,7 +70,7 @@ def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tupl
 def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
                       embed: torch.Tensor, block_table: torch.Tensor | None, bs: int, q: int, num_updates: int,
                       block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """The graph's head in torch ops, with layers/step_inputs.py's signature: the new table entries, the batch's
+    """The graph's head in torch ops, with kestrel/kernels/triton/step_inputs.py's signature: the new table entries, the batch's
     block-table rows (whole rows, a new tensor: `block_table` and `block_size` are not used), its input tokens
     and their embeddings."""
     def view(name: str, n: int) -> torch.Tensor:
@@ -124,13 +124,13 @@ class DecodeGraphs:
             fused = device.type == "cuda" and switches().fused_ops
         self.argmax_scratch, self._logits_argmax = None, None
         if fused:
-            from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
+            from kestrel.kernels.triton.logits_argmax import alloc_argmax_scratch, logits_argmax   # Triton: CUDA only
             self.argmax_scratch, self._logits_argmax = alloc_argmax_scratch(max_bs * q, device), logits_argmax
         # ... and so does the graph's head (table updates, block-table rows, input tokens, embeddings:
-        # layers/step_inputs.py), whose block-table rows go to this static buffer.
+        # kestrel/kernels/triton/step_inputs.py), whose block-table rows go to this static buffer.
         self._head, self.block_table = torch_step_inputs, None
         if fused:
-            from kestrel.layers.step_inputs import step_inputs   # Triton: CUDA only
+            from kestrel.kernels.triton.step_inputs import step_inputs   # Triton: CUDA only
             self._head = step_inputs
             self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}

@@ -30,7 +30,7 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size), requires_grad=False)
         self.weight.weight_loader = lambda p, t, name="?": _copy_checked(p, t, name)
-        self.op = op   # rms_norm_torch, or its fused twin (layers/fused_ops.py) on CUDA: layers/ops.py
+        self.op = op   # rms_norm_torch, or its fused twin (kestrel/kernels/triton/fused_ops.py) on CUDA: layers/ops.py
 
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""

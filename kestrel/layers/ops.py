@@ -5,12 +5,12 @@ method, the attention prologue), so every architecture built from the same block
 no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, and the oracle on CUDA);
 `choose_layer_ops` picks the fused Triton / CUDA kernels on CUDA:
 
-    rms_norm        layers/fused_ops.py   (add + RMSNorm in one kernel)
-    apply_rotary    layers/fused_ops.py
-    silu_and_mul    layers/fused_ops.py
+    rms_norm        kestrel/kernels/triton/fused_ops.py   (add + RMSNorm in one kernel)
+    apply_rotary    kestrel/kernels/triton/fused_ops.py
+    silu_and_mul    kestrel/kernels/triton/fused_ops.py
     linear_method   layers/skinny.py      (decode-sized batches: Triton / CUDA C++ matmuls with the norm, SiLU-mul
                                            and attention prologue folded in; cuBLAS above)
-    attn_prologue   layers/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
+    attn_prologue   kestrel/kernels/triton/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
                                            backend that accepts K/V already in the cache
 """
 from __future__ import annotations
@@ -50,11 +50,11 @@ def choose_layer_ops(device: torch.device, backend: AttentionBackend, dev: DevSw
     if device.type != "cuda" or not dev.fused_ops:
         return TORCH_OPS
     try:
-        from kestrel.layers import fused_ops
+        from kestrel.kernels.triton import fused_ops
     except ImportError as exc:   # no triton: keep the torch ops
         logger.warning("fused ops unavailable (%s); using torch ops", exc)
         return TORCH_OPS
-    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     from kestrel.layers.skinny import skinny_method
 
     prologue = None

@@ -41,7 +41,7 @@ class RotaryEmbedding(nn.Module):
         freqs = torch.outer(t, inv_freq)                      # [max_pos, head_dim / 2]
         # cos_sin_cache: [max_pos, head_dim]: cos in the first half, sin in the second
         self.register_buffer("cos_sin_cache", torch.cat([freqs.cos(), freqs.sin()], dim=-1), persistent=False)
-        self.op = op   # apply_rotary_torch, or its fused twin (layers/fused_ops.py) on CUDA: layers/ops.py
+        self.op = op   # apply_rotary_torch, or its fused twin (kestrel/kernels/triton/fused_ops.py) on CUDA: layers/ops.py
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
         """q: [T, Hq, D], k: [T, Hkv, D] -> rotated copies."""

@@ -2,7 +2,7 @@
 
 At a handful of rows a matmul is a weight read; cuBLAS picks kernels that leave bandwidth unused on small
 weights, and the norm / SiLU-mul before each matmul is a launch of its own. The Triton kernels of
-layers/gemv.py read the weight once and fold those ops in:
+kestrel/kernels/triton/gemv.py read the weight once and fold those ops in:
 
     add + RMSNorm -> qkv_proj      add_rms_norm_gemv      (residual stream written by one program)
     o_proj                         gemv
@@ -13,7 +13,7 @@ layers/gemv.py read the weight once and fold those ops in:
 + cuBLAS (`skinny_policy`, measured on the H200); where it does not, the plain method runs, so the choice never
 changes results beyond bf16 rounding order inside a dot product.
 
-`cuda` (optional, layers/cuda_gemv.py) takes the weights its `use(x, weight, norm)` picks first: CUDA C++ kernels
+`cuda` (optional, kestrel/kernels/cuda/cuda_gemv.py) takes the weights its `use(x, weight, norm)` picks first: CUDA C++ kernels
 for weights past the Triton kernels' range, the same folds, SiLU-mul folded into gate_up's output instead of
 down's input, and the attention prologue (rotary, K/V write) folded into qkv's output.
 """
@@ -115,7 +115,7 @@ def skinny_method(mode: str = "auto", cuda_mode: str = "auto") -> SkinnyLinearMe
     every weight (all), or none (0); the CUDA C++ kernels for the weights past the Triton range (`cuda_mode`)."""
     if mode == "0":
         return None
-    from kestrel.layers import gemv
+    from kestrel.kernels.triton import gemv
 
     policy = (lambda rows, n, k: True) if mode == "all" else skinny_policy
     return SkinnyLinearMethod(max_rows=gemv.MAX_M, gemv=gemv.gemv, add_rms_norm_gemv=gemv.add_rms_norm_gemv,
@@ -123,13 +123,13 @@ def skinny_method(mode: str = "auto", cuda_mode: str = "auto") -> SkinnyLinearMe
 
 
 def cuda_skinny(mode: str) -> CudaSkinny | None:
-    """The CUDA C++ one-row matmuls (layers/cuda_gemv.py) for weights above the Triton kernels' cap (`auto`: the
+    """The CUDA C++ one-row matmuls (kestrel/kernels/cuda/cuda_gemv.py) for weights above the Triton kernels' cap (`auto`: the
     Llama-3.1-8B's four matmuls), every weight they can serve (`all`), or none (`0`)."""
     if mode == "0":
         return None
     if mode not in ("auto", "all"):
         raise ValueError(f"KESTREL_CUDA_GEMV={mode}: use 0, auto or all")
-    from kestrel.layers import cuda_gemv
+    from kestrel.kernels.cuda import cuda_gemv
 
     low = 0 if mode == "all" else SKINNY_MAX_WEIGHT_BYTES
 

@@ -55,7 +55,7 @@ def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor, qk_norm: bool) -> N
 @pytest.mark.parametrize("shape", list(SHAPES))
 @pytest.mark.parametrize("tokens,block_size", [(1, 16), (64, 16), (700, 16), (300, 2)])
 def test_kernel_matches_reference(dtype, shape, tokens, block_size):
-    from kestrel.layers.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots, heads = _cuda_inputs(tokens, shape, block_size, dtype,
                                                                               seed=tokens)
     cache = _rope_cache(heads[2])
@@ -70,7 +70,7 @@ def test_kernel_matches_reference(dtype, shape, tokens, block_size):
 
 
 def test_kernel_captured_in_a_cuda_graph_replays_new_tokens_positions_and_slots():
-    from kestrel.layers.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store, qk_norm_rope_store_ref
     qkv, (q_w, k_w), positions, k_cache, v_cache, slots, heads = _cuda_inputs(8, "qwen3-0.6b", 16,
                                                                               torch.bfloat16, seed=1)
     cache = _rope_cache(heads[2])
@@ -97,7 +97,7 @@ def test_engine_with_fused_prologue_gives_the_unfused_greedy_tokens(checkpoint_f
     """fp32 so the only difference is the sum order in the norm: greedy tokens must not move. Decode and
     prefill graphs on, so the prologue is also captured and replayed."""
     from kestrel import LLM, SamplingParams
-    from kestrel.layers.attention_prologue import qk_norm_rope_store
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     path = str(checkpoint_factory(arch))
     prompts = ["def add(a, b):\n    return a + b\n", "import os", "x = [i * i for i in range(10)]\nprint("]
     params = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True)

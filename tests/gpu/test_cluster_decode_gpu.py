@@ -1,4 +1,4 @@
-"""The cluster decode kernel (attention/cluster_decode.cu, KESTREL_CLUSTER_DECODE) against the torch reference on
+"""The cluster decode kernel (kestrel/kernels/cuda/cluster_decode.cu, KESTREL_CLUSTER_DECODE) against the torch reference on
 fresh random inputs, on CUDA cores and on tensor cores (KESTREL_CLUSTER_DECODE_MMA): ragged contexts (a padded row,
 slices shorter than the cluster, contexts past the keys read before the PDL wait), GQA ratios 1/2/4/8, head dims
 64/128, block sizes 2/16; under CUDA-graph replay with new lengths and tables; and whole engines with the kernel on
@@ -39,8 +39,8 @@ def _inputs(kv_lens, num_kv_heads, group, head_dim, block_size, seed, index=torc
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_the_kernel_loads_without_local_memory_on_this_gpu(tensor_cores):
     """This machine's NVRTC may print no ptxas log, so the loaded function's attributes are asked instead."""
-    from kestrel import cuda_rtc
-    from kestrel.attention import cluster_decode
+    from kestrel.kernels.cuda import cuda_rtc
+    from kestrel.kernels.cuda import cluster_decode
     compiled = cluster_decode.compile_kernel(4, 128, 8, 16, cuda_rtc.device_arch(0), tensor_cores=tensor_cores)
     kernel = cuda_rtc.Kernel(compiled, "cluster_decode", torch.device("cuda", 0))
     CU_FUNC_ATTRIBUTE_LOCAL_SIZE_BYTES, CU_FUNC_ATTRIBUTE_NUM_REGS = 3, 4
@@ -52,7 +52,7 @@ def test_the_kernel_loads_without_local_memory_on_this_gpu(tensor_cores):
 @pytest.mark.parametrize("cluster,index", [(8, torch.int32), (16, torch.int32), (2, torch.int32), (8, torch.int64)])
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size", CASES)
 def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, cluster, index, tensor_cores):
-    from kestrel.attention import cluster_decode
+    from kestrel.kernels.cuda import cluster_decode
     q, k_cache, v_cache, table, lens = _inputs(KV_LENS, num_kv_heads, group, head_dim, block_size,
                                                seed=group * head_dim + cluster, index=index)
     out = cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, cluster=cluster,
@@ -64,7 +64,7 @@ def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, clu
 
 @pytest.mark.parametrize("tensor_cores", [False, True], ids=["cuda-cores", "tensor-cores"])
 def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_cores):
-    from kestrel.attention import cluster_decode
+    from kestrel.kernels.cuda import cluster_decode
     q, k_cache, v_cache, table, lens = _inputs(KV_LENS[:4], 8, 2, 128, 16, seed=3, index=torch.int64)
     kw = dict(cluster=8, tensor_cores=tensor_cores)
     cluster_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, **kw)   # compile
@@ -90,7 +90,7 @@ def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables(tensor_c
 def _identical_share(path: str, monkeypatch, switch: str, on: str, off: str) -> float:
     """The share of greedy tokens identical with env `switch` at `on` and at `off` (bf16, decode graphs); with
     it on, decode must go through the cluster kernel."""
-    from kestrel.attention import cluster_decode
+    from kestrel.kernels.cuda import cluster_decode
     tokens_on, tokens_off = routed_tokens_on_and_off(path, monkeypatch, cluster_decode, "decode_attention", switch,
                                                      on, off, dtype="bfloat16", attention_backend="triton")
     return sum(a == b for x, y in zip(tokens_on, tokens_off) for a, b in zip(x, y)) / sum(len(x) for x in tokens_off)

@@ -1,4 +1,4 @@
-"""The CUDA C++ skinny matmuls (layers/cuda_gemv.py) agree with gemv.py's torch references on fresh random inputs:
+"""The CUDA C++ skinny matmuls (kestrel/kernels/cuda/cuda_gemv.py) agree with gemv.py's torch references on fresh random inputs:
 the Llama-3.1-8B's layer shapes and small odd ones, 1 to 4 rows, with and without bias and residual, every row
 split the config table can pick, CUDA-graph replay with new inputs, and whole engines with the kernels on and off.
 As in test_gemv_gpu.py, most bf16 outputs are bit-equal and the rest within two ulps of the largest output (the
@@ -8,7 +8,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.layers import cuda_gemv, gemv, skinny
+from kestrel.kernels.cuda import cuda_gemv
+from kestrel.kernels.triton import gemv
+from kestrel.layers import skinny
 from tests.gpu.engine_tokens import greedy_tokens, routed_tokens_on_and_off
 from tests.gpu.test_gemv_gpu import LAYERS, cuda_inputs, mostly_bit_equal
 
@@ -150,7 +152,7 @@ def test_add_rms_norm_gemv_rope_is_the_projection_then_hf_rotary(shape, m):
     """Bit-exact: the fold's q and K/V equal this kernel's own unrotated projection (add_rms_norm_gemv) put
     through the torch prologue reference (HF's roundings: each product rounded to bf16, then the sum), and slot -1
     writes nothing; the residual stream is bit-equal too."""
-    from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
+    from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store_ref
 
     args, caches, slots, heads = _rope_case(shape, m, with_residual=m != 2)
     want_caches = [c.clone() for c in caches]

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.layers import gemv
+from kestrel.kernels.triton import gemv
 from tests.test_gemv import assert_matches, inputs
 
 pytestmark = [pytest.mark.gpu,

@@ -34,12 +34,13 @@ def _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 @pytest.mark.parametrize("num_splits", [1, 8, None])
 def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     kv_lens = [1, 63, 64, 65, 517, 2048, 3001, 4096] * 4     # 32 sequences, tile and split boundaries
     k_cache, v_cache, table = _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + group)
     q = torch.randn(len(kv_lens), num_kv_heads * group, head_dim, generator=_gen(1)).to(dtype).cuda()
     lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-    out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
+    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1] * len(kv_lens)).cuda(), lens, 1,
                                     max(kv_lens), head_dim ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
@@ -47,14 +48,15 @@ def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dty
 
 @pytest.mark.parametrize("num_kv_heads,group,head_dim,block_size,dtype", ATTN_CASES)
 def test_extend_matches_reference(num_kv_heads, group, head_dim, block_size, dtype):
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     # full prefill, chunk after a long prefix, speculative verify, single-token rows, odd lengths
     query_lens = [1000, 512, 5, 1, 77, 1]
     kv_lens = [1000, 2560, 1205, 300, 77, 1]
     k_cache, v_cache, table = _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed=group)
     q = torch.randn(sum(query_lens), num_kv_heads * group, head_dim, generator=_gen(2)).to(dtype).cuda()
     qsl, lens = start_locs(query_lens).cuda(), torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-    out = triton_kernels.extend_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens),
+    out = paged_attention.extend_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens),
                                           head_dim ** -0.5)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, qsl, lens, max(query_lens), max(kv_lens),
                                     head_dim ** -0.5)
@@ -62,7 +64,8 @@ def test_extend_matches_reference(num_kv_heads, group, head_dim, block_size, dty
 
 
 def test_store_kv_matches_reference():
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     k_cache, v_cache, _ = _paged([4096], 8, 128, 16, torch.bfloat16, seed=3)
     slots = torch.randperm(4096, generator=_gen(4))[:700].cuda()
     slots[::7] = -1
@@ -70,23 +73,24 @@ def test_store_kv_matches_reference():
     v = torch.randn(700, 8, 128, device="cuda", dtype=torch.bfloat16)
     want_k, want_v = k_cache.clone(), v_cache.clone()
     torch_ref.store_kv(k, v, want_k, want_v, slots)
-    triton_kernels.store_kv(k, v, k_cache, v_cache, slots)
+    paged_attention.store_kv(k, v, k_cache, v_cache, slots)
     assert torch.equal(k_cache, want_k) and torch.equal(v_cache, want_v)
 
 
 def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
-    from kestrel.attention import torch_ref, triton_kernels
+    from kestrel.attention import torch_ref
+    from kestrel.kernels.triton import paged_attention
     num_seqs, kv_heads, heads, head_dim, block_size = 16, 8, 32, 128, 16
     k_cache, v_cache, _ = _paged([8192], kv_heads, head_dim, block_size, torch.bfloat16, seed=5)
     table = torch.zeros(num_seqs, 128, dtype=torch.int32, device="cuda")        # capacity 2048 tokens
     lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
     q = torch.zeros(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    partials = triton_kernels.alloc_decode_partials(num_seqs, heads, kv_heads, head_dim, q.device)
-    triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)   # compile
+    partials = paged_attention.alloc_decode_partials(num_seqs, heads, kv_heads, head_dim, q.device)
+    paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)   # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = triton_kernels.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)
+        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)
     gen = _gen(6)
     for step in range(3):
         new_lens = torch.randint(0, 2049, (num_seqs,), generator=gen, dtype=torch.int32)
@@ -175,7 +179,7 @@ def _mostly_bit_equal(got: torch.Tensor, want: torch.Tensor) -> None:
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("with_residual", [False, True])
 def test_rms_norm_kernel_matches_reference(dtype, with_residual):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     x = torch.randn(513, 4096, device="cuda").to(dtype)
     weight = torch.randn(4096, device="cuda").to(dtype)
     residual = torch.randn_like(x) if with_residual else None
@@ -189,7 +193,7 @@ def test_rms_norm_kernel_matches_reference(dtype, with_residual):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 def test_silu_and_mul_kernel_matches_reference(dtype):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     x = torch.randn(257, 2 * 14336, device="cuda").to(dtype)
     got, want = fused_ops.silu_and_mul(x), fused_ops.silu_and_mul_ref(x)
     torch.testing.assert_close(got.float(), want.float(), **TOLERANCE[dtype])
@@ -200,7 +204,7 @@ def test_silu_and_mul_kernel_matches_reference(dtype):
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
 @pytest.mark.parametrize("head_dim", [64, 128])
 def test_rotary_kernel_matches_reference(dtype, head_dim):
-    from kestrel.layers import fused_ops
+    from kestrel.kernels.triton import fused_ops
     tokens, heads, kv_heads = 300, 32, 8
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, device="cuda").to(dtype)
     q = qkv[:, : heads * head_dim].view(tokens, heads, head_dim)

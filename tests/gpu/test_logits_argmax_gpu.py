@@ -1,4 +1,4 @@
-"""The fused logits argmax (layers/logits_argmax.py) on the GPU: the kernel equals `.float()` + torch.argmax at the
+"""The fused logits argmax (kestrel/kernels/triton/logits_argmax.py) on the GPU: the kernel equals `.float()` + torch.argmax at the
 real vocabularies, inside a replayed CUDA graph (the counters must come back to zero every replay), and whole
 engines give the same greedy tokens with it on and off."""
 from __future__ import annotations
@@ -14,7 +14,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("vocab", [151_936, 128_256, 1000])
 @pytest.mark.parametrize("rows", [1, 3, 16])
 def test_kernel_in_a_graph_equals_torch_on_every_replay(vocab, rows):
-    from kestrel.layers.logits_argmax import alloc_argmax_scratch, logits_argmax
+    from kestrel.kernels.triton.logits_argmax import alloc_argmax_scratch, logits_argmax
     gen = torch.Generator(device="cuda").manual_seed(vocab + rows)
     logits = torch.zeros(rows, vocab, dtype=torch.bfloat16, device="cuda")
     tokens = torch.zeros(rows, dtype=torch.int64, device="cuda")

@@ -1,4 +1,4 @@
-"""Programmatic dependent launch (layers/pdl.py) changes when kernels start, never what they compute: with PDL on,
+"""Programmatic dependent launch (kestrel/kernels/triton/pdl.py) changes when kernels start, never what they compute: with PDL on,
 captured chains of the decode kernels and whole engines give bit-identical results to PDL off. A kernel that
 read or wrote before its wait would show here as a difference (a race), not as a tolerance miss."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ from tests.gpu.engine_tokens import greedy_tokens
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
 def test_pdl_is_on_for_hopper_and_off_by_env(monkeypatch):
-    from kestrel.layers.pdl import launch_options
+    from kestrel.kernels.triton.pdl import launch_options
     dev = torch.device("cuda")
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert launch_options(dev) == ({"launch_pdl": True, "USE_PDL": True} if hopper else {"USE_PDL": False})
@@ -21,7 +21,7 @@ def test_pdl_is_on_for_hopper_and_off_by_env(monkeypatch):
 
 def _layer_chain(x, res, weights):
     """One decoder layer's worth of skinny kernels, each consuming the one before (as in a bs1 step)."""
-    from kestrel.layers import gemv
+    from kestrel.kernels.triton import gemv
     norm_w, w_qkv, w_o, w_gu, w_down = weights
     h, res = gemv.add_rms_norm_gemv(x, res, norm_w, 1e-6, w_qkv)
     h = gemv.gemv(h[:, :w_o.shape[1]].contiguous(), w_o)

@@ -1,4 +1,4 @@
-"""The decode graph's fused head (layers/step_inputs.py) on the GPU: the graph head's kernel equals the torch ops it
+"""The decode graph's fused head (kestrel/kernels/triton/step_inputs.py) on the GPU: the graph head's kernel equals the torch ops it
 replaces at the real sizes (8,192-column tables, Llama-3.1-8B's hidden size, 128 rows, 256 updates) inside a
 replayed CUDA graph, where its CTA barrier (a row's new entries, then the row's copy) is what keeps it right;
 and whole engines give the same greedy tokens with it on and off."""
@@ -19,7 +19,7 @@ pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(),
 @pytest.mark.parametrize("q", [1, 4])
 @pytest.mark.parametrize("bucket", [1, 8, 128])
 def test_kernel_in_a_graph_equals_the_torch_ops_on_every_replay(q, bucket):
-    from kestrel.layers.step_inputs import step_inputs
+    from kestrel.kernels.triton.step_inputs import step_inputs
     rng = random.Random(bucket * 10 + q)
     max_bs, max_rows, width, block_size, vocab, hidden = 128, 256, 8192, 16, 128_256, 4096
     max_updates = 2 * max_bs

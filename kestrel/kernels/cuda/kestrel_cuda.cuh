@@ -1,4 +1,4 @@
-// What the NVRTC-compiled kernels share (cuda_rtc.py hands it to every compile as "kestrel_cuda.cuh"): bf16 bits
+// What the NVRTC-compiled kernels share (kestrel/kernels/cuda/cuda_rtc.py hands it to every compile as "kestrel_cuda.cuh"): bf16 bits
 // as 16-bit integers, 16-byte vectors of 8 of them, torch's rounding, and the PDL wait.
 
 typedef unsigned int u32;
@@ -29,7 +29,7 @@ __device__ __forceinline__ u32 pack(float a, float b) {   // two bf16 in one wor
   return (u32)to_bf16(a) | ((u32)to_bf16(b) << 16);
 }
 
-// Wait for the kernel before this one (its writes visible), then let the next kernel launch (layers/pdl.py).
+// Wait for the kernel before this one (its writes visible), then let the next kernel launch (kestrel/kernels/triton/pdl.py).
 __device__ __forceinline__ void pdl_wait() { asm volatile("griddepcontrol.wait;" ::: "memory"); }
 __device__ __forceinline__ void pdl_signal() { asm volatile("griddepcontrol.launch_dependents;" ::: "memory"); }
 __device__ __forceinline__ void pdl_wait_then_signal() {

@@ -44,7 +44,7 @@ def device_index(device: torch.device) -> int:
 
 @functools.lru_cache(maxsize=None)
 def hopper_or_later(device_index: int) -> bool:
-    """Compute capability >= 9.0: PDL, thread-block clusters (attention/cluster_decode.py)."""
+    """Compute capability >= 9.0: PDL, thread-block clusters (kestrel/kernels/cuda/cluster_decode.py)."""
     return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 

@@ -21,7 +21,7 @@ Two ways to form the product, picked by the config (see default_config):
   - tensor cores (M > 4): tl.dot(w_tile, a_chunk.T) with a padded to BLOCK_M = 16 rows by masked loads (the extra
     rows cost FLOPs, not bytes: the kernel is memory bound); BLOCK_N >= 16.
 
-Prologues, with the numerics of kestrel/layers/fused_ops.py (each `*_ref` below spells them out):
+Prologues, with the numerics of kestrel/kernels/triton/fused_ops.py (each `*_ref` below spells them out):
   - none:        a = x
   - add-RMSNorm: h = (x + residual) rounded to the model dtype; a = norm_w * (h * rsqrt(mean(h^2) + eps)).to(dtype).
                  A first pass over K sums h^2 per row, the second does the matmul, recomputing h; where a
@@ -31,7 +31,7 @@ Prologues, with the numerics of kestrel/layers/fused_ops.py (each `*_ref` below 
 The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one rounding to the model dtype. The
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
 
-On Hopper the kernel is launched with PDL (kestrel/layers/pdl.py): each program reads its first weight tile, then
+On Hopper the kernel is launched with PDL (kestrel/kernels/triton/pdl.py): each program reads its first weight tile, then
 waits for the kernel before it, so the weight stream starts while that kernel finishes. On the broadcast path
 (M <= BROADCAST_MAX_M) that first tile is the program's whole K slice wherever it is at most WHOLE_SLICE_ELEMENTS
 (Qwen3-0.6B: qkv, gate_up and down take one step instead of 2, 2 and 3), so no weight byte is read after the wait:
@@ -50,7 +50,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 MAX_M = 16                  # rows this kernel serves; callers use cuBLAS above it
 DOT_BLOCK_M = 16            # tl.dot needs every dim >= 16: x rows are padded to this by masked loads

@@ -28,7 +28,7 @@ reference is a pure function) and the attention kernels read a dense q.
 
 Numerics follow the references in fused_ops.py (HF's roundings): the norm rounds x * rstd to the model dtype,
 then the weight product; rotary casts cos/sin to the model dtype and rounds each product. Launched with PDL on Hopper
-(kestrel/layers/pdl.py). No host syncs: the wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
+(kestrel/kernels/triton/pdl.py). No host syncs: the wrapper reads only shapes, so the kernel can be captured in a CUDA graph.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ import triton
 import triton.language as tl
 
 from kestrel.attention import torch_ref
-from kestrel.layers.fused_ops import HF_ROUNDING, apply_rotary_ref, rms_norm_ref
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.kernels.triton.fused_ops import HF_ROUNDING, apply_rotary_ref, rms_norm_ref
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 
 def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,

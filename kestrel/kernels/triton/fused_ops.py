@@ -6,7 +6,7 @@ dtype, so the kernels can be held to them closely:
   - the residual stream is added in the model dtype (residual + hidden_states)
   - SiLU-and-mul rounds silu(gate) to the model dtype before multiplying by up
   - rotary ("rotate_half", NeoX style) casts cos/sin to the model dtype and rounds each product
-The decode-path kernels (RMSNorm, SiLU-and-mul) launch with PDL on Hopper (kestrel/layers/pdl.py). Kernels need
+The decode-path kernels (RMSNorm, SiLU-and-mul) launch with PDL on Hopper (kestrel/kernels/triton/pdl.py). Kernels need
 CUDA tensors, or Triton's interpreter (TRITON_INTERPRET=1 before triton is imported) for CPU ones.
 """
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 # Launch keywords for kernels that must round as HF does: each 16-bit product rounded before the sum
 # (x * cos + rotate_half(x) * sin). By default Triton contracts a multiply and the add after it into one

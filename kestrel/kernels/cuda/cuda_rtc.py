@@ -1,6 +1,6 @@
 """CUDA C++ kernels compiled at run time: NVRTC builds a cubin, the driver API loads and launches it (ctypes, no
 build step, no nvcc). Launches take the two Hopper attributes Triton's launcher does not give us together:
-programmatic dependent launch (PDL, layers/pdl.py) and a thread-block cluster shape.
+programmatic dependent launch (PDL, kestrel/kernels/triton/pdl.py) and a thread-block cluster shape.
 
 NVRTC comes from the `nvidia-cuda-nvrtc` wheel that CUDA builds of torch depend on (or a CUDA toolkit); it needs no
 GPU, so CPU machines with the wheel can compile (tests/test_cluster_decode.py checks registers and spills).

@@ -14,7 +14,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import device_index, launch_options, pdl_wait, sm_count
+from kestrel.kernels.triton.pdl import device_index, launch_options, pdl_wait, sm_count
 
 LOG2E = math.log2(math.e)
 MAX_DECODE_SPLITS = 32        # decode partial buffers are sized for this many splits

@@ -1,9 +1,9 @@
 """Decode attention whose context splits merge inside a thread-block cluster (cluster_decode.cu; Hopper, bf16).
 
-The Triton decode kernel (triton_kernels.py) merges its splits through global memory. Its last split program
+The Triton decode kernel (paged_attention.py) merges its splits through global memory. Its last split program
 pays for the partial stores, a release fence, the counter atomic and a round of L2 loads before the output
 exists: 2.25 us a layer on the Qwen3-0.6B bs1 step (timed by taking the merge out). Triton 3.6 cannot reach
-distributed shared memory, so this kernel is CUDA C++, compiled by NVRTC at first use (cuda_rtc.py) and launched
+distributed shared memory, so this kernel is CUDA C++, compiled by NVRTC at first use (kestrel/kernels/cuda/cuda_rtc.py) and launched
 with a cluster shape and PDL.
 
 It is the default for decode batches of at most MAX_SEQS sequences (KESTREL_CLUSTER_DECODE=0 keeps the Triton
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from kestrel import cuda_rtc
-from kestrel.attention.triton_kernels import LOG2E
+from kestrel.kernels.cuda import cuda_rtc
+from kestrel.kernels.triton.paged_attention import LOG2E
 from kestrel.envs import switches
-from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled
+from kestrel.kernels.triton.pdl import device_index, hopper_or_later, pdl_enabled
 
 log = logging.getLogger(__name__)
 PREFETCH = 8        # keys a slot reads before the PDL wait (groups up to 4): 128 a program of 8 warps, 1,024 a kv
@@ -150,7 +150,7 @@ def decode_attention(
     cluster: int = CLUSTER,
     tensor_cores: bool | None = None,
 ) -> torch.Tensor:
-    """What triton_kernels.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
+    """What paged_attention.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
     cluster: programs a kv head (2, 4, 8 or 16); tensor_cores defaults to the engine's choice (mma())."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]

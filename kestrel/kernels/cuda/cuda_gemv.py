@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-from kestrel import cuda_rtc
-from kestrel.layers.attention_prologue import qk_norm_rope_store_ref
-from kestrel.layers.gemv import add_rms_norm_gemv_ref
-from kestrel.layers.pdl import device_index, hopper_or_later, pdl_enabled, sm_count
+from kestrel.kernels.cuda import cuda_rtc
+from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store_ref
+from kestrel.kernels.triton.gemv import add_rms_norm_gemv_ref
+from kestrel.kernels.triton.pdl import device_index, hopper_or_later, pdl_enabled, sm_count
 
 log = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("skinny_gemv.cu")

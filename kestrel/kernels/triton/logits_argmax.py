@@ -22,7 +22,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.layers.pdl import launch_options, pdl_wait
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 BLOCK = 4096          # logits per program: 16 KB of bf16 in, 16 KB of fp32 out
 MAX_CHUNKS = 64       # vocabularies up to 262,144 logits

@@ -1,0 +1,1 @@
+"""CUDA C++ kernels compiled by NVRTC at first use (kestrel/kernels/cuda/cuda_rtc.py) and launched through the driver API."""

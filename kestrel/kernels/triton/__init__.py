@@ -1,0 +1,1 @@
+"""Triton kernels (each module holds its kernels, their launch wrappers and the torch reference)."""
