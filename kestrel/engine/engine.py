@@ -137,11 +137,12 @@ class Engine:
         """The step's chunks for the runner; a placeholder token (overlap) becomes a reference to the previous
         launch's output row."""
         chunks = []
+        rows = previous.rows if previous is not None else None   # a dict: built once, not per sequence
         for s in scheduled:
             seq = s.seq
             tokens = seq.tokens_at(s.start, s.num_tokens)
-            if previous is not None and tokens[-1] == PLACEHOLDER:
-                tokens = [previous_token(previous.rows[seq.seq_id])]
+            if rows is not None and tokens[-1] == PLACEHOLDER:
+                tokens = [previous_token(rows[seq.seq_id])]
             chunks.append(SequenceChunk(seq.seq_id, tokens, s.start, seq.block_ids, seq.num_preemptions,
                                         s.completes_prompt))
         return chunks

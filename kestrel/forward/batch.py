@@ -21,7 +21,7 @@ def previous_token(index: int) -> int:
     return -1 - index
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)   # not frozen: built for every sequence of every step, and a frozen init costs more
 class SequenceChunk:
     """One sequence's part of a step: query tokens at positions start, start + 1, ...; its blocks hold them."""
     seq_id: int
