@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kestrel.envs import switches
 from tests.gpu.engine_tokens import greedy_tokens
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
@@ -16,6 +17,7 @@ def test_pdl_is_on_for_hopper_and_off_by_env(monkeypatch):
     hopper = torch.cuda.get_device_capability()[0] >= 9
     assert launch_options(dev) == ({"launch_pdl": True, "USE_PDL": True} if hopper else {"USE_PDL": False})
     monkeypatch.setenv("KESTREL_PDL", "0")
+    switches.cache_clear()   # the switches are read once: read them again
     assert launch_options(dev) == {"USE_PDL": False}
 
 
@@ -51,6 +53,7 @@ def test_captured_skinny_chain_with_pdl_is_bit_identical(monkeypatch, rows):
     results = {}
     for pdl in ("0", "1"):
         monkeypatch.setenv("KESTREL_PDL", pdl)
+        switches.cache_clear()
         run_chain()   # compile
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph):
