@@ -19,15 +19,6 @@ def greedy_tokens(path: str | None, monkeypatch, env: dict[str, str], max_tokens
     return [o.outputs[0].token_ids for o in llm.generate(PROMPTS, params)]
 
 
-def switch_keeps_tokens(checkpoint_factory, monkeypatch, arch: str | None, switch: str) -> bool:
-    """Whether greedy tokens are identical with `switch` (an env name) at 1 and at 0: a random `arch`
-    checkpoint in bf16, or the default model for None."""
-    path = str(checkpoint_factory(arch)) if arch else None
-    kw = {"dtype": "bfloat16"} if arch else {}
-    on = greedy_tokens(path, monkeypatch, {switch: "1"}, max_tokens=48, **kw)
-    return on == greedy_tokens(path, monkeypatch, {switch: "0"}, max_tokens=48, **kw)
-
-
 def routed_tokens_on_and_off(path: str, monkeypatch, module, function: str, switch: str, on: str, off: str,
                              **kw) -> tuple[list[list[int]], list[list[int]]]:
     """Greedy tokens with env `switch` at `on` and at `off`; asserts that with it on, decode went through
