@@ -14,15 +14,15 @@ import torch
 from kestrel.cache.block_pool import BlockPool
 from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
-from kestrel.forward.batch import SequenceChunk, build_forward_batch, previous_token
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
 from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, overlap_eligible,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
-from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.startup import build_runner
 from kestrel.errors import KestrelError
+from kestrel.forward.batch import SequenceChunk, build_forward_batch, previous_token
+from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
