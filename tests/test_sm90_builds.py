@@ -18,7 +18,7 @@ DECODE_TYPES = {"block_table_ptr": "*i64", "kv_lens_ptr": "*i64", "part_out_ptr"
 
 @pytest.mark.parametrize("group", [2, 4])   # Qwen3-0.6B, Llama-3.1-8B
 def test_decode_kernel_builds_for_sm90(group):
-    from kestrel.kernels.triton.paged_attention import _decode_kernel
+    from kestrel.kernels.triton.paged_decode import _decode_kernel
     constexprs = dict(GROUP=group, HEAD_DIM=128, BLOCK_H=16, BLOCK_D=128, BLOCK_N=32, BLOCK_SIZE=16,
                       DOT_FP32=False, DOT_PRECISION="tf32", INTERPRET=False, BLOCK_S=32, USE_PDL=True)
     ptx = compile_for_sm90(_decode_kernel, constexprs, DECODE_TYPES, dict(num_warps=4, num_stages=2))
@@ -49,7 +49,7 @@ def test_pdl_signal_placement_for_sm90():
     """Every PDL kernel of the decode step lets the next kernel launch only after its own wait, and exactly once
     (signalling at the start instead lost on the H200: +3.8% and +5.3% on the 0.6B step, session 8)."""
     use_pdl = True
-    from kestrel.kernels.triton.paged_attention import _decode_kernel
+    from kestrel.kernels.triton.paged_decode import _decode_kernel
     from kestrel.kernels.triton.fused_ops import _rms_norm_kernel
     from kestrel.kernels.triton.gemv import PROLOGUE_RMS, _skinny_matmul_kernel
     skinny = compile_for_sm90(_skinny_matmul_kernel, dict(

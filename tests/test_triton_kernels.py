@@ -96,13 +96,13 @@ def test_unpadded_store_kv_equals_the_filtering_one():
 @pytest.mark.parametrize("num_splits", [1, 3, None])
 def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     gen = torch.Generator().manual_seed(head_dim * block_size + group)
     kv_lens = [1, 17, 75]    # 75 tokens span several 16-token tiles and every one of 3 splits
     k_cache, v_cache, table = random_paged_cache(kv_lens, num_kv_heads, head_dim, block_size, dtype, gen)
     q = torch.randn(3, num_kv_heads * group, head_dim, generator=gen).to(dtype)
     lens = torch.tensor(kv_lens, dtype=torch.int32)
-    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
+    out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1, 1, 1]), lens, 1, max(kv_lens),
                                     head_dim ** -0.5)
     assert out.dtype == dtype
@@ -112,15 +112,15 @@ def test_decode_matches_reference_on_ragged_contexts(num_kv_heads, group, head_d
 @interpreted_only
 def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     gen = torch.Generator().manual_seed(1)
     k_cache, v_cache, table = random_paged_cache([70, 70], 2, 64, 4, torch.float32, gen)
     q = torch.randn(2, 8, 64, generator=gen)
-    partials = paged_attention.alloc_decode_partials(4, 8, 2, 64, q.device)   # sized for a larger max batch
+    partials = paged_decode.alloc_decode_partials(4, 8, 2, 64, q.device)   # sized for a larger max batch
     lens = torch.zeros(2, dtype=torch.int32)
     for new_lens in ([70, 3], [16, 64], [1, 33]):
         lens.copy_(torch.tensor(new_lens))         # same tensors, same shapes, new contents
-        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 4, partials)
+        out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 4, partials)
         ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1, 1]), lens, 1, 70, 0.125)
         torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
@@ -129,19 +129,19 @@ def test_decode_reuses_static_buffers_as_lengths_change_like_a_graph_replay():
 @pytest.mark.parametrize("group,dtype", [(1, torch.float32), (4, torch.float16), (8, torch.bfloat16)])
 def test_decode_merges_splits_in_one_launch_and_leaves_the_counters_at_zero(group, dtype):
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     gen = torch.Generator().manual_seed(8 + group)
     num_kv_heads, head_dim = 2, 64
     k_cache, v_cache, table = random_paged_cache([100] * 5, num_kv_heads, head_dim, 4, dtype, gen)
     q = torch.zeros(5, num_kv_heads * group, head_dim, dtype=dtype)
     lens = torch.zeros(5, dtype=torch.int32)
-    partials = paged_attention.alloc_decode_partials(8, num_kv_heads * group, num_kv_heads, head_dim, q.device)
+    partials = paged_decode.alloc_decode_partials(8, num_kv_heads * group, num_kv_heads, head_dim, q.device)
     # With 4 splits and the interpreter's 16-token tiles, a context of n tokens uses cdiv(n, per_split) splits:
     # 0 -> none (padded row), 1..16 -> 1, 17 -> 2, 33 / 40 / 65 -> 3, 64 / 100 -> 4 (all).
     for new_lens in ([100, 0, 16, 40, 1], [0, 65, 17, 0, 33], [64, 100, 0, 9, 40], [0, 0, 0, 0, 0]):
         lens.copy_(torch.tensor(new_lens))         # same tensors and scratch every call, like a graph replay
         q.copy_(torch.randn(q.shape, generator=gen).to(dtype))
-        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, 4, partials)
+        out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, 4, partials)
         ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1] * 5), lens, 1, 100,
                                         head_dim ** -0.5)
         torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
@@ -158,7 +158,7 @@ def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len):
     decode is still writing it) and that row is read after the wait and put back; here it dominates the scores
     and values, so an answer without it, or with it twice, differs from the reference."""
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     gen = torch.Generator().manual_seed(kv_len)
     k_cache, v_cache, table = random_paged_cache([kv_len], 2, 64, 4, torch.float32, gen)
     q = torch.randn(1, 4, 64, generator=gen)
@@ -166,19 +166,19 @@ def test_prefetched_decode_reads_the_newest_token_after_the_wait(kv_len):
     block, offset = table[0, (kv_len - 1) // 4].item(), (kv_len - 1) % 4
     k_cache[block, offset] = 3 * torch.randn(2, 64, generator=gen)   # the newest token stands out in the scores
     v_cache[block, offset] = 10.0
-    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 3)
+    out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 3)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1]), lens, 1, kv_len, 0.125)
     torch.testing.assert_close(out, ref, **TOLERANCE[torch.float32])
 
 
 @interpreted_only
 def test_decode_of_a_padded_row_with_no_context_is_zero():
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     gen = torch.Generator().manual_seed(2)
     k_cache, v_cache, table = random_paged_cache([20, 1], 1, 64, 16, torch.float32, gen)
     q = torch.randn(2, 4, 64, generator=gen)
     lens = torch.tensor([20, 0], dtype=torch.int32)
-    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 2)
+    out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.125, 2)
     assert torch.isfinite(out).all()
     assert torch.equal(out[1], torch.zeros_like(out[1]))
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.kernels.cuda import cluster_decode
-from kestrel.kernels.triton import paged_attention
+from kestrel.kernels.triton import paged_attention, paged_decode
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch
 
@@ -26,7 +26,7 @@ class TritonAttentionBackend(AttentionBackend):
 
     def __init__(self) -> None:
         self._max_batch_size = 0
-        self._partials: paged_attention.DecodeScratch | None = None
+        self._partials: paged_decode.DecodeScratch | None = None
 
     def supports_graphs(self) -> bool:
         return True
@@ -47,13 +47,13 @@ class TritonAttentionBackend(AttentionBackend):
             if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
                 return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale)
             partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
-            return paged_attention.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
+            return paged_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
                                                    partials=partials)
         return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
-                         device: torch.device) -> paged_attention.DecodeScratch | None:
+                         device: torch.device) -> paged_decode.DecodeScratch | None:
         if self._max_batch_size == 0:
             return None   # no graphs: the decode launch allocates scratch per call
         scratch = self._partials
@@ -61,5 +61,5 @@ class TritonAttentionBackend(AttentionBackend):
                 or scratch[0].shape[1] != num_heads or scratch[0].shape[3] != head_dim
                 or scratch[2].shape[1] != num_kv_heads):
             rows = max(self._max_batch_size, num_seqs)
-            self._partials = paged_attention.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, device)
+            self._partials = paged_decode.alloc_decode_partials(rows, num_heads, num_kv_heads, head_dim, device)
         return self._partials

@@ -35,12 +35,12 @@ def _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed):
 @pytest.mark.parametrize("num_splits", [1, 8, None])
 def test_decode_matches_reference(num_kv_heads, group, head_dim, block_size, dtype, num_splits):
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     kv_lens = [1, 63, 64, 65, 517, 2048, 3001, 4096] * 4     # 32 sequences, tile and split boundaries
     k_cache, v_cache, table = _paged(kv_lens, num_kv_heads, head_dim, block_size, dtype, seed=head_dim + group)
     q = torch.randn(len(kv_lens), num_kv_heads * group, head_dim, generator=_gen(1)).to(dtype).cuda()
     lens = torch.tensor(kv_lens, dtype=torch.int32, device="cuda")
-    out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
+    out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, head_dim ** -0.5, num_splits)
     ref = torch_ref.paged_attention(q, k_cache, v_cache, table, start_locs([1] * len(kv_lens)).cuda(), lens, 1,
                                     max(kv_lens), head_dim ** -0.5)
     torch.testing.assert_close(out.float(), ref.float(), **TOLERANCE[dtype])
@@ -79,18 +79,18 @@ def test_store_kv_matches_reference():
 
 def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
     from kestrel.attention import torch_ref
-    from kestrel.kernels.triton import paged_attention
+    from kestrel.kernels.triton import paged_decode
     num_seqs, kv_heads, heads, head_dim, block_size = 16, 8, 32, 128, 16
     k_cache, v_cache, _ = _paged([8192], kv_heads, head_dim, block_size, torch.bfloat16, seed=5)
     table = torch.zeros(num_seqs, 128, dtype=torch.int32, device="cuda")        # capacity 2048 tokens
     lens = torch.ones(num_seqs, dtype=torch.int32, device="cuda")
     q = torch.zeros(num_seqs, heads, head_dim, dtype=torch.bfloat16, device="cuda")
-    partials = paged_attention.alloc_decode_partials(num_seqs, heads, kv_heads, head_dim, q.device)
-    paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)   # compile
+    partials = paged_decode.alloc_decode_partials(num_seqs, heads, kv_heads, head_dim, q.device)
+    paged_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)   # compile
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = paged_attention.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)
+        out = paged_decode.decode_attention(q, k_cache, v_cache, table, lens, 0.088, partials=partials)
     gen = _gen(6)
     for step in range(3):
         new_lens = torch.randint(0, 2049, (num_seqs,), generator=gen, dtype=torch.int32)

@@ -150,7 +150,7 @@ def decode_attention(
     cluster: int = CLUSTER,
     tensor_cores: bool | None = None,
 ) -> torch.Tensor:
-    """What paged_attention.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
+    """What paged_decode.decode_attention computes, in one cluster launch with no scratch (usable() must hold).
     cluster: programs a kv head (2, 4, 8 or 16); tensor_cores defaults to the engine's choice (mma())."""
     num_seqs, num_heads, head_dim = q.shape
     block_size, num_kv_heads = k_cache.shape[1], k_cache.shape[2]
