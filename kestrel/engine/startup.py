@@ -22,7 +22,7 @@ from kestrel.models.registry import model_class
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress, child_cpu_progress
 
-logger = logging.getLogger("kestrel.setup")
+logger = logging.getLogger("kestrel.loading")   # kestrel.startup is the phase tracker (progress.py)
 
 CPU_DEFAULT_KV_BYTES = 1 << 30
 DTYPES = {"float32": torch.float32, "fp32": torch.float32, "float": torch.float32, "bfloat16": torch.bfloat16,
