@@ -228,7 +228,12 @@ def _place_weights(drafter: Eagle3Drafter, index: _TensorIndex) -> None:
     for name in index.files:
         if name in VOCAB_MAPS or name.endswith(IGNORED_SUFFIXES):
             continue
-        placer.place(name, index.tensor(name), index.where(name))
+        try:
+            placer.place(name, index.tensor(name), index.where(name))
+        except ModelLoadError as exc:   # a shape mismatch names the tensor; name its file too
+            if index.where(name) in str(exc):
+                raise
+            raise ModelLoadError(f"{index.where(name)}: {exc}") from None
     placer.check_complete(index.model_dir)
 
 
