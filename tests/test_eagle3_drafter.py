@@ -233,6 +233,12 @@ def test_default_aux_layers_are_early_middle_late(tmp_path, target):
     assert drafter.config.aux_layer_ids == (2, 3, 3)   # (2, L // 2, L - 3) for L = 6
 
 
+def test_aux_layer_ids_may_sit_at_the_top_level(tmp_path, target):
+    path, _ = write_drafter(tmp_path / "d", eagle_config=None, eagle_aux_hidden_state_layer_ids=[0, 2, 5])
+    drafter = load_eagle3_drafter(path, TARGET, target, "cpu", torch.float32)
+    assert drafter.config.aux_layer_ids == (0, 2, 5)
+
+
 BAD_DRAFTERS = {
     "wrong architecture": (dict(architectures=["LlamaForCausalLM"]), "not an EAGLE-3 drafter"),
     "vocab differs from the target": (dict(vocab_size=97), "differs from the target model's vocabulary"),

@@ -62,9 +62,11 @@ def _rope_scaling(raw: dict[str, Any], path: Path) -> dict[str, Any] | None:
 
 
 def _aux_layer_ids(raw: dict[str, Any], target: ModelConfig, path: Path) -> tuple[int, ...]:
-    ids = (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    # Top level or under eagle_config, as vLLM reads it. Id j is the hidden state entering target layer j (vLLM's
+    # reading; SGLang adds 1 to explicit ids, taking them as layer outputs); j == L is the final pre-norm stream.
+    ids = raw.get("eagle_aux_hidden_state_layer_ids") or \
+        (raw.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     ids = default_aux_layer_ids(target.num_layers) if ids is None else tuple(ids)
-    # id j is the hidden state entering target layer j; j == L is the final stream before the norm
     if len(ids) != 3 or not all(isinstance(j, int) and 0 <= j <= target.num_layers for j in ids):
         raise ModelLoadError(f"{path}: eagle_aux_hidden_state_layer_ids {list(ids)} must be exactly 3 target "
                              f"layer ids in 0..{target.num_layers} (the target has {target.num_layers} layers)")
