@@ -19,6 +19,7 @@ from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
+from kestrel.engine.speculation import SpeculativeDecoding
 from kestrel.engine.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.forward.batch import SequenceChunk, build_forward_batch, previous_token
@@ -56,6 +57,11 @@ class Engine:
         # The overlap schedule (engine/overlap.py): at most one decode step launched and not yet read back.
         self._inflight: InflightDecode | None = None
         self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None   # see _overlap_sampling_batch
+        self.spec: SpeculativeDecoding | None = None
+        if config.speculative is not None:
+            proposer = SpeculativeDecoding.build_proposer(config.speculative, self.runner, config.block_size,
+                                                          setup.drafter, setup.drafter_kv)
+            self.spec = SpeculativeDecoding(self, config.speculative, proposer)
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -108,18 +114,24 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
-        continuing = self._inflight is not None and self._can_continue_overlap(self._inflight)
+        started = time.perf_counter()
+        speculate = self.spec is not None and self.spec.wants_step()
+        continuing = not speculate and self._inflight is not None and self._can_continue_overlap(self._inflight)
         if self._inflight is not None and not continuing:
             updates += self._resolve_inflight()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates + self._resolve_inflight()
-        graph_decode = plan.num_tokens == len(plan.scheduled) and all(s.completes_prompt for s in plan.scheduled) \
-            and self.runner.decodes_in_graph(len(plan.scheduled))
+        decode = plan.num_tokens == len(plan.scheduled) and all(s.completes_prompt for s in plan.scheduled)
+        if speculate and decode:
+            return updates + self.spec.step(plan.scheduled, started)
+        graph_decode = decode and self.runner.decodes_in_graph(len(plan.scheduled))
         # continuing: _can_continue_overlap already checked these rows are eligible
         if graph_decode and self._overlap_enabled() \
                 and (continuing or all(self._overlap_ok(s.seq) for s in plan.scheduled)):
-            return updates + self._launch_overlapped(plan.scheduled)
+            updates += self._launch_overlapped(plan.scheduled)
+            self._record_plain_step(len(plan.scheduled), started)
+            return updates
         if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
             updates += self._resolve_inflight()
             plan.scheduled = [s for s in plan.scheduled if not s.seq.is_finished]
@@ -130,7 +142,16 @@ class Engine:
         sampling = [s for s in plan.scheduled if s.completes_prompt]
         if sampling:   # the output's logits rows are exactly these (graph roads: every row completes its prompt)
             updates += self._sample_and_update(sampling, output.logits, output.tokens)
+        if self.spec is not None:
+            if decode:
+                self._record_plain_step(len(plan.scheduled), started)
+            else:
+                self.spec.observe_plain_step(plan.scheduled, output)
         return updates
+
+    def _record_plain_step(self, batch_size: int, started: float) -> None:
+        if self.spec is not None:
+            self.spec.record_plain_step(batch_size, time.perf_counter() - started)
 
     @staticmethod
     def _chunks(scheduled: list[ScheduledSeq], previous: InflightDecode | None = None) -> list[SequenceChunk]:
@@ -315,6 +336,9 @@ class Engine:
         seqs = self.requests.get(request_id)
         if seqs is not None and all(s.is_finished for s in seqs):
             del self.requests[request_id]
+            if self.spec is not None:
+                for seq in seqs:
+                    self.spec.forget(seq.seq_id)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:

@@ -61,9 +61,9 @@ class Scheduler:
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + num_new):
+            if not self.grow(seq, seq.num_computed_tokens + num_new):
                 # Free blocks by preempting from the back; the sequence itself may be the victim.
-                while not self._grow(seq, seq.num_computed_tokens + num_new):
+                while not self.grow(seq, seq.num_computed_tokens + num_new):
                     victim = self.running[-1]
                     self._preempt(victim)
                     preempted.append(victim)
@@ -84,7 +84,7 @@ class Scheduler:
             if seq.num_computed_tokens == 0 and not seq.block_ids:
                 self._match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
-            if not self._grow(seq, seq.num_computed_tokens + num_new):
+            if not self.grow(seq, seq.num_computed_tokens + num_new):
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -112,8 +112,9 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = match.num_tokens
 
-    def _grow(self, seq: Sequence, num_tokens: int) -> bool:
-        """Make sure the sequence owns blocks for num_tokens tokens; evict cached prefixes before failing."""
+    def grow(self, seq: Sequence, num_tokens: int) -> bool:
+        """Make sure the sequence owns blocks for num_tokens tokens; evict cached prefixes before failing (never
+        preempts: speculative drafts ask for blocks this way and simply draft less when there are none)."""
         needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
         if needed <= 0:
             return True

@@ -5,6 +5,7 @@ Each phase reports through Progress, so /health and the log always say what is h
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -36,6 +37,8 @@ class RunnerSetup:
     tokenizer: Tokenizer
     num_blocks: int
     max_model_len: int
+    drafter: torch.nn.Module | None = None      # the EAGLE-3 drafter (speculative decoding), on the device
+    drafter_kv: torch.Tensor | None = None      # its one-layer KV cache, in the target's blocks
 
 
 def resolve_device(name: str) -> torch.device:
@@ -102,24 +105,42 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     load_weights(model, path, progress)
     model.eval()
     runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
+    spec = config.speculative
+    drafter = None
+    if spec is not None and spec.method == "eagle3":
+        progress.begin("loading_drafter")
+        from kestrel.models.eagle3_loader import load_eagle3_drafter
+        drafter = load_eagle3_drafter(spec.model, cfg, model, device, dtype, ops)
+        runner.capture_hidden_layers = tuple(drafter.config.aux_layer_ids)   # before any graph is captured
+        logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s", spec.model,
+                    list(runner.capture_hidden_layers))
     if backend.compiles_at_first_use:
         progress.begin("compiling_kernels", unit="CPU s")
         with child_cpu_progress(progress):
             compile_backend_kernels(runner, config.block_size)
 
     progress.begin("allocating_kv_cache")
-    num_blocks = size_kv_cache(config, cfg, runner, max_model_len)
+    drafter_block_bytes = 0
+    if drafter is not None:
+        drafter_block_bytes = math.prod(drafter.kv_cache_shape(1, config.block_size)) * dtype.itemsize
+    num_blocks = size_kv_cache(config, cfg, runner, max_model_len, drafter_block_bytes)
     runner.allocate_kv_cache(num_blocks)
+    drafter_kv = None
+    if drafter is not None:
+        drafter_kv = torch.zeros(drafter.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=device)
     logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB)", num_blocks, config.block_size,
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
 
     if device.type == "cuda" and not config.disable_cuda_graph:
         from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, config, max_model_len, progress)
+        if spec is not None and runner.graphs is not None:
+            from kestrel.forward.decode_graphs import capture_verify_graphs
+            capture_verify_graphs(runner, config, max_model_len, spec.num_speculative_tokens + 1, progress)
 
     progress.begin("warming_up")
     warm_up(runner, config.block_size)
-    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len)
+    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len, drafter, drafter_kv)
 
 
 def select_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
@@ -135,8 +156,10 @@ def select_attention_backend(config: EngineConfig, device: torch.device) -> Atte
     return TorchAttentionBackend()
 
 
-def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, max_model_len: int) -> int:
-    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype)
+def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, max_model_len: int,
+                  extra_bytes_per_block: int = 0) -> int:
+    """Blocks of KV cache; extra_bytes_per_block: a drafter's cache, which lives in the same blocks."""
+    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype) + extra_bytes_per_block
     # More blocks than every sequence at full length (times 2, for cached prefixes) would never be used.
     useful = 2 * config.max_num_seqs * -(-max_model_len // config.block_size)
     if config.num_gpu_blocks_override is not None:

@@ -30,6 +30,7 @@ class SequenceChunk:
     block_ids: list[int]       # the sequence's block list (not copied: read before the step returns)
     generation: int = 0        # the sequence's preemption count: its blocks were replaced when it changes
     wants_logits: bool = True  # the last token's logits (a prompt chunk that does not finish its prompt: no)
+    all_logits: bool = False   # logits at every query token (a speculative verify step: the last token + drafts)
 
 
 @dataclass(slots=True)
@@ -89,7 +90,8 @@ def chunks_to_batch(chunks: list[SequenceChunk], block_size: int,
                     capture_hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
     """The eager road's ForwardBatch (on the CPU) for a step's chunks."""
     return build_forward_batch([c.tokens for c in chunks], [c.start for c in chunks], [c.block_ids for c in chunks],
-                               block_size, [c.wants_logits for c in chunks], capture_hidden_layers)
+                               block_size, [c.wants_logits for c in chunks], capture_hidden_layers,
+                               [c.all_logits for c in chunks])
 
 
 def build_forward_batch(
@@ -99,11 +101,13 @@ def build_forward_batch(
     block_size: int,
     want_logits: list[bool] | None = None,
     capture_hidden_layers: tuple[int, ...] = (),
+    all_logits: list[bool] | None = None,
 ) -> ForwardBatch:
     """Assemble a ForwardBatch on the CPU from per-sequence query tokens.
 
     token_ids[s] are the new tokens of sequence s, at positions start_positions[s] + i. When want_logits is
-    given, only sequences with True contribute their last token's logits.
+    given, only sequences with True contribute their last token's logits; a sequence with all_logits[s] True
+    contributes every token's, in order.
     """
     num_seqs = len(token_ids)
     input_ids: list[int] = []
@@ -122,7 +126,9 @@ def build_forward_batch(
             slots.append(blocks[pos // block_size] * block_size + pos % block_size)
         query_start.append(len(input_ids))
         kv_lens.append(start + len(toks))
-        if want_logits is None or want_logits[s]:
+        if all_logits is not None and all_logits[s]:
+            logits_at.extend(range(len(input_ids) - len(toks), len(input_ids)))
+        elif want_logits is None or want_logits[s]:
             logits_at.append(len(input_ids) - 1)
     max_blocks = max(len(b) for b in block_tables)
     table = torch.full((num_seqs, max(max_blocks, 1)), -1, dtype=torch.int32)

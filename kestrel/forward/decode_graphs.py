@@ -199,9 +199,11 @@ class DecodeGraphs:
         return num_seqs <= self.max_bs
 
     def can_run_chunks(self, chunks: list[SequenceChunk]) -> bool:
-        """A step this runner replays: at most max_bs sequences of Q query tokens each, every row's logits."""
+        """A step this runner replays: at most max_bs sequences of Q query tokens each, every token's logits (a
+        verify step's chunks ask for all of them; a decode chunk's one token is its last)."""
         q = self.query_len
-        return len(chunks) <= self.max_bs and all(len(c.tokens) == q and c.wants_logits for c in chunks)
+        return len(chunks) <= self.max_bs and all(len(c.tokens) == q and c.wants_logits and (q == 1 or c.all_logits)
+                                                  for c in chunks)
 
     def _next_host_buffer(self) -> None:
         self._turn ^= 1
@@ -365,3 +367,25 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
     logger.info("captured %d decode graphs (batch sizes %s) and %d prefill graphs (tokens %s) in %.1f s; "
                 "graphs hold %.2f GiB", len(decode.buckets), decode.buckets, len(prefill.buckets),
                 prefill.buckets, time.monotonic() - start, decode.memory_bytes / 2**30)
+
+
+VERIFY_GRAPH_MAX_BS = 64   # past this batch size verification is compute-bound and the policy decodes plainly
+
+
+def capture_verify_graphs(runner, config: EngineConfig, max_model_len: int, query_len: int,
+                          progress: Progress) -> None:
+    """Graphs for speculative verify steps (query_len = k + 1 tokens a sequence), in the decode graphs' pool.
+    A capture failure leaves verification eager: slower, never wrong."""
+    max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs, VERIFY_GRAPH_MAX_BS)
+    verify = DecodeGraphs(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs, query_len)
+    verify.pool = runner.graphs.pool
+    progress.begin("capturing_cuda_graphs", len(verify.buckets), "verify graphs")
+    start = time.monotonic()
+    try:
+        verify.capture(progress)
+    except Exception:  # noqa: BLE001
+        logger.exception("verify graph capture failed; verifying eagerly")
+        return
+    runner.verify_graphs = verify
+    logger.info("captured %d verify graphs of %d tokens a sequence (batch sizes %s) in %.1f s", len(verify.buckets),
+                query_len, verify.buckets, time.monotonic() - start)

@@ -86,7 +86,7 @@ class PrefillGraphs:
 
     def can_run_chunks(self, chunks: list[SequenceChunk]) -> bool:
         """A lone sequence's chunk of known tokens that fits a bucket."""
-        return len(chunks) == 1 and self.can_run(len(chunks[0].tokens), chunks[0].start)
+        return len(chunks) == 1 and not chunks[0].all_logits and self.can_run(len(chunks[0].tokens), chunks[0].start)
 
     def can_run(self, num_tokens: int, start: int) -> bool:
         if not 1 < num_tokens <= self.max_q:

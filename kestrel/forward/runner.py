@@ -4,6 +4,7 @@
 ForwardBatch and runs `forward` on it (inside a captured graph or not), so each returns the same ForwardOutput:
 
     a decode step of at most cuda_graph_max_bs sequences   -> forward/decode_graphs.py (replay)
+    a speculative verify step (k + 1 tokens a sequence)     -> forward/decode_graphs.py, query_len k + 1 (replay)
     a lone sequence's prompt chunk of 2 .. 512 tokens       -> forward/prefill_graphs.py (replay)
     anything else                                           -> eager forward
 
@@ -46,6 +47,7 @@ class ModelRunner:
         self.capture_hidden_layers = capture_hidden_layers
         self.graphs = None          # DecodeGraphs (forward/decode_graphs.py), after capture
         self.prefill_graphs = None  # PrefillGraphs (forward/prefill_graphs.py), after capture
+        self.verify_graphs = None   # DecodeGraphs of query_len k + 1 (speculative verify steps), after capture
 
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
@@ -68,6 +70,8 @@ class ModelRunner:
         its tokens are read when the caller reads them (the overlap schedule reads them one step later)."""
         if self.graphs is not None and self.graphs.can_run_chunks(chunks):
             return self.graphs.launch(chunks)
+        if self.verify_graphs is not None and self.verify_graphs.can_run_chunks(chunks):
+            return self.verify_graphs.launch(chunks)
         if self.prefill_graphs is not None and self.prefill_graphs.can_run_chunks(chunks):
             return self.prefill_graphs.run(chunks[0])
         return self.forward(chunks_to_batch(chunks, self.block_size, self.capture_hidden_layers))

@@ -145,6 +145,8 @@ class LlamaForCausalLM(nn.Module):
             if i in batch.capture_hidden_layers:
                 captured[i] = hidden if residual is None else hidden + residual
             hidden, residual = layer(hidden, residual, batch, backend, *kv_caches[i])
+        if len(self.layers) in batch.capture_hidden_layers:   # "the input of layer L": the stream before the norm
+            captured[len(self.layers)] = hidden + residual
         hidden, _ = self.norm(hidden, residual)
         return (hidden if batch.logits_at is None else hidden[batch.logits_at]), captured
 

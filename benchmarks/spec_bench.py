@@ -1,0 +1,209 @@
+"""Speculative decoding on the GPU: speedup over no speculation, in one process, on random weights in real shapes.
+
+The target is a random-weight checkpoint of a real shape (benchmarks/shapes.py, default the Llama-3.1-8B shape)
+and the drafter a random EAGLE-3 drafter of the standard size for it (hidden 4096, 32 heads, FFN 14336, draft
+vocabulary 32,000). Random weights accept nothing, so the synthetic acceptance mode fixes the chance that each
+draft position passes; with K drafts, acceptance length L = 1 + p + ... + p^K picks p:
+
+    bs1 decode (3 prompts of 128 tokens, 256 new each, one at a time): no speculation; K-chain at L = 1.15, 2, 3,
+        4 (fixed depth); the adaptive policy at L = 1.15 and 3
+    128 concurrent (128 in / 256 out): no speculation vs the adaptive policy at L = 3 and 1.15
+    the per-step time split of a fixed-depth step (draft, verify, bookkeeping), synchronized
+    through `kestrel serve` (--serve): one stream, no speculation vs K-chain at L = 3
+
+    python -m benchmarks.spec_bench --workdir /tmp/kestrel-bench --out spec.json [--serve]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from benchmarks.engine_bench import random_prompts, run_requests, single_stream
+from benchmarks.shapes import SHAPES, write_random_checkpoint
+from kestrel.config import EngineConfig
+from kestrel.engine.engine import Engine
+
+log = logging.getLogger("spec_bench")
+LENGTHS = (1.15, 2.0, 3.0, 4.0)
+
+
+def rate_for_length(length: float, k: int) -> float:
+    """The per-position acceptance p with 1 + p + ... + p^k = length (bisection)."""
+    lo, hi = 0.0, 1.0
+    for _ in range(60):
+        mid = (lo + hi) / 2
+        if sum(mid ** j for j in range(k + 1)) < length:
+            lo = mid
+        else:
+            hi = mid
+    return (lo + hi) / 2
+
+
+def checkpoints(workdir: Path, shape: str) -> tuple[Path, Path]:
+    from kestrel.models.checkpoint import load_model_config
+    from kestrel.models.eagle3_loader import random_eagle3_checkpoint
+
+    target = workdir / shape
+    if not (target / ".complete").exists():
+        write_random_checkpoint(shape, target)
+    drafter = workdir / f"{shape}-eagle3"
+    if not (drafter / "config.json").exists():
+        random_eagle3_checkpoint(drafter, load_model_config(target), draft_vocab_size=32000)
+    return target, drafter
+
+
+def acceptance(engine: Engine, before: tuple[int, int, int]) -> dict:
+    c = engine.spec.counters
+    drafts, tokens, accepted = (c.num_drafts - before[0], c.num_draft_tokens - before[1],
+                                c.num_accepted_tokens - before[2])
+    return {"acceptance_rate": accepted / tokens if tokens else None,
+            "acceptance_length": 1 + accepted / drafts if drafts else None, "verify_steps": drafts}
+
+
+def counters(engine: Engine) -> tuple[int, int, int]:
+    c = engine.spec.counters
+    return c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens
+
+
+def c128(engine: Engine, vocab: int, output_len: int) -> dict:
+    conc = random_prompts(128, 128, vocab, 2)
+    r = run_requests(engine, conc, output_len)
+    return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}
+
+
+def bench_offline(target: Path, drafter: Path, k: int, output_len: int) -> dict:
+    vocab = json.loads((target / "config.json").read_text())["vocab_size"]
+    prompts = random_prompts(3, 128, vocab, 0)
+    out: dict = {}
+    common = dict(model=str(target), device="cuda", cuda_graph_max_bs=128, max_num_seqs=256)
+
+    engine = Engine(EngineConfig(**common))
+    run_requests(engine, prompts[:1], 8)
+    run_requests(engine, random_prompts(128, 128, vocab, 2), 4)
+    out["plain"] = {"bs1": single_stream(engine, prompts, output_len), "c128": c128(engine, vocab, output_len)}
+    log.info("plain: %s", out["plain"])
+    del engine
+    gc.collect()
+    torch.cuda.empty_cache()
+
+    spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
+            "synthetic_acceptance_rate": 1.0}
+    t0 = time.perf_counter()
+    engine = Engine(EngineConfig(speculative_config=spec, **common))
+    out["spec_startup_s"] = time.perf_counter() - t0
+    run_requests(engine, prompts[:1], 8)
+    run_requests(engine, random_prompts(128, 128, vocab, 2), 4)
+    sd = engine.spec
+
+    def variant(length: float, adaptive: bool, concurrent: bool = False) -> dict:
+        sd.synthetic_rate = rate_for_length(length, k)
+        sd.policy.adaptive = adaptive
+        before = counters(engine)
+        row = {"target_length": length, "synthetic_rate": sd.synthetic_rate, "adaptive": adaptive}
+        row.update(c128(engine, vocab, output_len) if concurrent else single_stream(engine, prompts, output_len))
+        row.update(acceptance(engine, before))
+        log.info("%s", row)
+        return row
+
+    out["bs1_fixed"] = [variant(length, adaptive=False) for length in LENGTHS]
+    out["bs1_adaptive"] = [variant(length, adaptive=True) for length in (1.15, 3.0)]
+    out["c128_adaptive"] = [variant(length, adaptive=True, concurrent=True) for length in (3.0, 1.15)]
+    sd.synthetic_rate, sd.policy.adaptive = rate_for_length(3.0, k), False
+    sd.timing = {}
+    single_stream(engine, prompts[:1], output_len)
+    steps = sd.timing.pop("steps", 1)
+    out["step_split_ms_L3"] = {name: 1000 * s / steps for name, s in sd.timing.items()}
+    out["step_split_ms_L3"]["steps"] = steps
+    sd.timing = None
+    out["policy_step_times_ms"] = {f"{b}x{d}": round(1000 * t, 3) for (b, d), t in sd.policy.step_time.items()}
+    del engine, sd
+    gc.collect()
+    torch.cuda.empty_cache()
+    return out
+
+
+def bench_serve(target: Path, drafter: Path, k: int, output_len: int, raw: Path) -> dict:
+    """One stream through `kestrel serve`, without and with speculation (L = 3), launched and measured by the
+    project's own launcher and load generator."""
+    out = {}
+    spec = json.dumps({"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
+                       "synthetic_acceptance_rate": rate_for_length(3.0, k), "adaptive": False})
+    for label, extra in (("plain", []), ("eagle3_L3", ["--speculative-config", spec])):
+        result = raw / f"spec_serve_{label}.json"
+        serve = [sys.executable, "-m", "kestrel.cli", "serve", str(target), "--port", "8013", *extra]
+        bench = (f"{sys.executable} -m kestrel.cli bench serve --base-url {{base_url}} --concurrency 1 "
+                 f"--num-prompts 4 --input-len 128 --output-len {output_len} --label {label} --no-progress "
+                 f"--output {result}")
+        cmd = [sys.executable, "-m", "kestrel.cli", "launch", "--name", f"spec-{label}", "--port", "8013",
+               "--ready-timeout", "300", "--stall-timeout", "60", "--then", bench, "--", *serve]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        if proc.returncode != 0 or not result.exists():
+            out[label] = {"error": (proc.stdout + proc.stderr)[-1500:]}
+            continue
+        out[label] = json.loads(result.read_text())
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workdir", default="/tmp/kestrel-bench")
+    ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    workdir = Path(args.workdir)
+    workdir.mkdir(parents=True, exist_ok=True)
+    target, drafter = checkpoints(workdir, args.shape)
+    results = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "k": args.k,
+               "date": time.strftime("%Y-%m-%d"), "output_len": args.output_len}
+    results["offline"] = bench_offline(target, drafter, args.k, args.output_len)
+    Path(args.out).write_text(json.dumps(results, indent=1))
+    if args.serve:
+        results["serve"] = bench_serve(target, drafter, args.k, args.output_len, Path(args.out).parent)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    print(summary_table(results))
+    return 0
+
+
+def summary_table(r: dict) -> str:
+    off = r["offline"]
+    base = off["plain"]["bs1"]["decode_tok_s"]
+    lines = [f"speculative decoding · {r['gpu']} · {r['shape']} · K={r['k']} chain · {r['date']}", "",
+             "| run | acceptance length | bs1 decode tok/s | vs none |", "|---|---:|---:|---:|",
+             f"| none | — | {base:.1f} | 1.00x |"]
+    for row in off["bs1_fixed"] + off["bs1_adaptive"]:
+        name = f"{'adaptive' if row['adaptive'] else 'fixed'} L={row['target_length']}"
+        al = row["acceptance_length"]
+        lines.append(f"| {name} | {al:.2f} | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |"
+                     if al else f"| {name} | — | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |")
+    c_base = off["plain"]["c128"]["output_tok_s"]
+    lines += ["", "| 128 concurrent | out tok/s | vs none |", "|---|---:|---:|", f"| none | {c_base:.0f} | 1.00x |"]
+    for row in off["c128_adaptive"]:
+        lines.append(f"| adaptive L={row['target_length']} | {row['output_tok_s']:.0f} | "
+                     f"{row['output_tok_s'] / c_base:.2f}x |")
+    lines += ["", f"step split at L=3 (ms): {off['step_split_ms_L3']}"]
+    serve = r.get("serve")
+    if serve:
+        def tps(x: dict) -> str:
+            try:
+                return f"{x['runs'][0]['output_throughput']:.1f}"
+            except (KeyError, IndexError, TypeError):
+                return str(x.get("error", "?"))[-300:]
+        lines.append(f"through kestrel serve, one stream: none {tps(serve['plain'])} tok/s, "
+                     f"K-chain L=3 {tps(serve['eagle3_L3'])} tok/s")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""Speculative decoding in the step loop: draft, verify k + 1 tokens a sequence in one target step, keep the
+accepted run.
+
+A verify step of sequence s (its last token x at position p, drafts d1 .. dk):
+
+    query tokens   x    d1   d2  ...  dk        positions p .. p + k, K/V written at all of them
+    target logits  l0   l1   l2  ...  lk        l_j: the target's distribution after d_j (after x for j = 0)
+    verification   accept d1 while it passes against l0, d2 against l1, ...; at the first rejection (or after
+                   dk) one token comes from the target itself: n accepted drafts -> n + 1 new tokens
+    afterwards     K/V of x, d1 .. dn stay (num_computed_tokens = p + n + 1 = num_tokens - 1); the slots of the
+                   rejected drafts are simply rewritten by later steps (the blocks stay with the sequence)
+
+Verification is lossless (speculative/verify.py): greedy output is token-identical to decoding without
+speculation and sampled output has the target's distribution. The depth of each step, and whether a sequence
+drafts at all, comes from speculative/adaptive.py's measured goodput, so a step that would not pay decodes
+plainly (and may use the overlap schedule).
+"""
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from kestrel.engine.messages import SampleUpdate, TokenLogprob
+from kestrel.engine.request import Sequence
+from kestrel.engine.scheduler import ScheduledSeq
+from kestrel.forward.batch import ForwardOutput, SequenceChunk
+from kestrel.forward.sampler import make_sampling_batch, sample, top_logprobs
+from kestrel.speculative.adaptive import DepthPolicy
+from kestrel.speculative.config import SpeculativeConfig
+from kestrel.speculative.proposer import ComputedRows, NgramProposer, Proposer
+from kestrel.speculative.verify import verify_chain
+
+logger = logging.getLogger("kestrel.speculative")
+
+
+@dataclass
+class SpecCounters:
+    """Cumulative, as vLLM's spec_decode metrics: a draft is one sequence's drafts of one verify step."""
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, drafted: int, accepted: int) -> None:
+        if drafted == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += drafted
+        self.num_accepted_tokens += accepted
+        if len(self.accepted_per_pos) < drafted:
+            self.accepted_per_pos += [0] * (drafted - len(self.accepted_per_pos))
+        for j in range(accepted):
+            self.accepted_per_pos[j] += 1
+
+
+class SpeculativeDecoding:
+    """The engine's speculative steps: owned by the Engine, which calls wants_step() before scheduling and
+    step() for a step of decodes, and observe_plain_step() after every other step."""
+
+    def __init__(self, engine, config: SpeculativeConfig, proposer: Proposer) -> None:
+        self.engine = engine
+        self.config = config
+        self.max_depth = config.num_speculative_tokens
+        self.proposer = proposer
+        self.policy = DepthPolicy(self.max_depth, config.adaptive)
+        self.counters = SpecCounters()
+        self.synthetic_rate = config.synthetic_acceptance_rate
+        self._synthetic_rng = torch.Generator().manual_seed(engine.config.seed)
+        self._per_seq: dict[int, int] = {}
+        self._depth = 0
+        # benchmarks set a dict here to get each verify step's time split (synchronized: slower, so only then)
+        self.timing: dict[str, float] | None = None
+
+    @staticmethod
+    def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv) -> Proposer:
+        if config.method == "ngram":
+            return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
+        from kestrel.speculative.eagle3_proposer import Eagle3Proposer
+        return Eagle3Proposer(drafter, runner.backend, drafter_kv, block_size, runner.device)
+
+    # ---- which steps speculate -------------------------------------------------------------------------------
+    def _room(self, seq: Sequence) -> int:
+        """Drafts the sequence may still use: a verify step makes at most depth + 1 tokens."""
+        p = seq.params
+        left = self.engine.max_model_len - seq.num_tokens
+        if p.max_tokens is not None:
+            left = min(left, p.max_tokens - seq.num_output_tokens)
+        return max(0, min(self.max_depth, left - 1))
+
+    def wants_step(self) -> bool:
+        """Whether the next step speculates: only decodes are running, nothing waits to be admitted, and the
+        policy picks a depth > 0 for this batch."""
+        sched = self.engine.scheduler
+        if sched.waiting or not sched.running:
+            return False
+        seqs = sched.running
+        if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):   # a prompt is still being prefilled
+            return False
+        self._depth, per_seq = self.policy.choose([s.seq_id for s in seqs], [self._room(s) for s in seqs])
+        self._per_seq = {s.seq_id: k for s, k in zip(seqs, per_seq)}
+        return self._depth > 0
+
+    def record_plain_step(self, batch_size: int, seconds: float) -> None:
+        self.policy.record_step(batch_size, 0, seconds)
+
+    # ---- the verify step -------------------------------------------------------------------------------------
+    def step(self, rows: list[ScheduledSeq], started: float) -> list[SampleUpdate]:
+        eng = self.engine
+        seqs = [r.seq for r in rows]
+        wanted = [min(self._per_seq.get(seq.seq_id, 0), self._room(seq)) for seq in seqs]
+        drafts = []
+        for seq, k in zip(seqs, wanted):
+            d = self.proposer.drafts(seq, k) if k else []
+            if self.synthetic_rate is not None and k:
+                d = (d + [0] * k)[:k]   # the benchmark mode drafts every position, guessed or not
+            if d and not eng.scheduler.grow(seq, seq.num_tokens + len(d)):
+                d = []
+            drafts.append(d)
+        width = max(len(d) for d in drafts)
+        graphs = eng.runner.verify_graphs
+        if graphs is not None and 0 < width and len(rows) <= graphs.max_bs \
+                and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
+            width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
+        chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d + [0] * (width - len(d)),
+                                seq.num_computed_tokens, seq.block_ids, seq.num_preemptions, True, all_logits=True)
+                  if width else
+                  SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]], seq.num_computed_tokens, seq.block_ids,
+                                seq.num_preemptions)
+                  for seq, d in zip(seqs, drafts)]
+        self._lap("propose", started)
+        output = eng.runner.execute(chunks)
+        q = width + 1
+        logits = output.logits   # rows seq * q + j: every chunk has q tokens
+        self._mask_stops_before_min_tokens(seqs, logits, q)
+        params = [seq.params for seq in seqs]
+        max_logprobs = max((p.logprobs or 0) for p in params)
+        sampling = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
+                                       [p.top_p for p in params], [p.min_p for p in params],
+                                       [seq.generator for seq in seqs], max_logprobs, logits.device)
+        num_drafts = [len(d) for d in drafts]
+        if self.synthetic_rate is None:
+            draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
+            accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(seqs), width),
+                                             torch.tensor(num_drafts, device=logits.device), sampling)
+            accepted, out = accepted_t.tolist(), out_t.tolist()
+        else:
+            accepted, out = self._synthetic_verify(logits, drafts, sampling, q)
+        self._lap("verify")
+        logprob_rows = None
+        if max_logprobs:
+            idx = torch.tensor([b * q + j for b, n in enumerate(accepted) for j in range(n + 1)],
+                               device=logits.device)
+            toks = torch.tensor([t for b, n in enumerate(accepted) for t in out[b][:n + 1]], device=logits.device)
+            chosen, top_vals, top_ids = top_logprobs(logits.index_select(0, idx), toks, max_logprobs)
+            logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
+        updates, computed, at = [], [], 0
+        now = time.monotonic()
+        for b, seq in enumerate(seqs):
+            start = seq.num_computed_tokens
+            new = out[b][:accepted[b] + 1]
+            kept, reason = 0, None
+            for token in new:
+                seq.output_token_ids.append(token)
+                kept += 1
+                reason = eng._stop_reason(seq, token)
+                if reason is not None:
+                    break
+            eng.generation_tokens_total += kept
+            if seq.first_token_time is None:
+                seq.first_token_time = now
+            seq.num_computed_tokens = start + kept   # x and the kept drafts; the last new token is not computed
+            lp = None
+            if logprob_rows is not None and seq.params.logprobs is not None:
+                k = seq.params.logprobs
+                lp = [TokenLogprob(new[j], logprob_rows[0][at + j],
+                                   list(zip(logprob_rows[2][at + j][:k], logprob_rows[1][at + j][:k])))
+                      for j in range(kept)]
+            at += accepted[b] + 1
+            self.counters.record(num_drafts[b], accepted[b])
+            self.policy.record_acceptance(seq.seq_id, num_drafts[b], accepted[b])
+            if reason is not None:
+                eng.scheduler.finish(seq, reason)
+                self.forget(seq.seq_id)
+            else:
+                computed.append(self._computed_rows(seq, start, kept, b * q))
+            updates.append(eng._update(seq, new[:kept], lp))
+            if reason is not None:
+                eng._forget_if_done(seq.request_id)
+        self._lap("bookkeeping")
+        self.proposer.observe(computed, output)
+        self._lap("draft")
+        if any(num_drafts):   # a step of no drafts (the drafter catching up) is neither plain nor speculative
+            self.policy.record_step(len(seqs), width, time.perf_counter() - started)
+        return updates
+
+    def _lap(self, phase: str, since: float | None = None) -> None:
+        """Add the time since the last lap (or `since`) to `phase` in self.timing, when a benchmark asks."""
+        if self.timing is None:
+            return
+        if self.engine.device.type == "cuda":
+            torch.cuda.synchronize()
+        now = time.perf_counter()
+        self.timing[phase] = self.timing.get(phase, 0.0) + now - (since if since is not None else self._last_lap)
+        if phase == "draft":
+            self.timing["steps"] = self.timing.get("steps", 0) + 1
+        self._last_lap = now
+
+    def _synthetic_verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling, q: int
+                          ) -> tuple[list[int], list[list[int]]]:
+        """The benchmark mode: each draft position passes with the configured probability, whatever its token;
+        the token after the accepted run is the target's."""
+        target = sample(logits, _repeat_rows(sampling, q)).view(len(drafts), q).tolist()
+        passes = (torch.rand(len(drafts), max(q - 1, 1), generator=self._synthetic_rng) < self.synthetic_rate)
+        accepted, out = [], []
+        for b, d in enumerate(drafts):
+            n = 0
+            while n < len(d) and passes[b, n]:
+                n += 1
+            accepted.append(n)
+            out.append(d[:n] + [target[b][n]])
+        return accepted, out
+
+    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor, q: int) -> None:
+        """Row seq * q + j samples output token num_output + j: under min_tokens it may not be a stop token."""
+        eng = self.engine
+        for b, seq in enumerate(seqs):
+            p = seq.params
+            if not p.min_tokens:
+                continue
+            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eng.eos_token_ids))
+            for j in range(q):
+                if banned and seq.num_output_tokens + j < p.min_tokens:
+                    logits[b * q + j, banned] = float("-inf")
+
+    # ---- following the target -------------------------------------------------------------------------------
+    def _computed_rows(self, seq: Sequence, start: int, count: int, hidden_offset: int) -> ComputedRows:
+        """What a step computed for the sequence; it drafts for its next verify step if blocks allow."""
+        depth = self.max_depth if self._room(seq) > 0 else 0
+        # The drafter writes K/V up to position num_tokens + depth - 2; the next verify step needs the rest.
+        if depth and not self.engine.scheduler.grow(seq, seq.num_tokens + depth):
+            depth = 0
+        return ComputedRows(seq.seq_id, start, count, seq.tokens_at(start + 1, count), seq.block_ids,
+                            hidden_offset, depth)
+
+    def observe_plain_step(self, rows: list[ScheduledSeq], output: ForwardOutput) -> None:
+        """After a step without speculation: the drafter follows prompt chunks (cheap next to the target's
+        prefill, and what makes the first verify step possible); plain decode rows it skips, so a large batch
+        decoding plainly costs nothing extra."""
+        if not self.proposer.aux_layers:
+            return
+        computed, offset = [], 0
+        for r in rows:
+            seq = r.seq
+            prompt_chunk = r.num_tokens > 1 or r.start < seq.num_prompt_tokens
+            if prompt_chunk and not seq.is_finished:
+                if r.completes_prompt:
+                    computed.append(self._computed_rows(seq, r.start, r.num_tokens, offset))
+                else:
+                    computed.append(ComputedRows(seq.seq_id, r.start, r.num_tokens,
+                                                 seq.tokens_at(r.start + 1, r.num_tokens), seq.block_ids, offset, 0))
+            offset += r.num_tokens
+        self.proposer.observe(computed, output)
+
+    def forget(self, seq_id: int) -> None:
+        self.policy.forget(seq_id)
+        self.proposer.forget(seq_id)
+
+
+def _repeat_rows(sampling, q: int):
+    """A SamplingBatch with each row repeated q times (a verify step's q positions of one sequence)."""
+    from kestrel.forward.sampler import SamplingBatch
+    rep = lambda t: t.repeat_interleave(q)   # noqa: E731
+    return SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.min_p),
+                         [g for g in sampling.generators for _ in range(q)], sampling.all_greedy,
+                         sampling.needs_top_k, sampling.needs_top_p, sampling.needs_min_p, sampling.max_logprobs)

@@ -1,0 +1,103 @@
+"""How many tokens to draft: per step from measured step times, per sequence from measured acceptance.
+
+Speculation pays when the tokens a verify step yields outweigh what the step costs over a plain decode step:
+
+    goodput(k) = sum over the batch's sequences of E_s(k)  /  T(batch, k)
+    E_s(k)     = 1 + a_s + a_s^2 + ... + a_s^k      (a_s: the chance that sequence s's next draft is accepted,
+                                                     given the ones before it were)
+
+T(batch, k) is the measured wall time of a step of that batch-size bucket and depth (k = 0: a plain decode
+step), an exponential moving average; a depth never measured in a bucket is tried once, when its estimate
+(a prior of +10% a draft) says it could beat the best measured depth. The depth with the highest goodput wins,
+0 included, so at large batches (verification is compute-bound) and for requests that keep rejecting drafts the
+engine decodes plainly. A sequence whose acceptance has fallen below `min_acceptance` stops drafting and is probed
+again every `probe_every` steps, so it comes back when its text turns predictable.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+PRIOR_COST_PER_DRAFT = 0.10   # T(b, k) / T(b, 0) - 1 per draft before anything is measured
+EMA = 0.2                     # weight of the newest measurement
+
+
+def bucket_of(batch_size: int) -> int:
+    """Batch sizes that cost about the same share a timing: 1, 2, 4, 8, 16, 32, ..."""
+    return 1 << max(0, batch_size - 1).bit_length()
+
+
+def expected_tokens(acceptance: float, k: int) -> float:
+    """Tokens one verify step of k drafts yields: the accepted run plus the target's own token."""
+    return sum(acceptance ** j for j in range(k + 1))
+
+
+@dataclass(slots=True)
+class _SeqAcceptance:
+    accepted: float = 0.0     # decayed counts of drafts accepted / drafts tried (a rejection ends a run)
+    tried: float = 0.0
+    steps_off: int = 0        # steps since it last drafted, while off
+
+    @property
+    def rate(self) -> float:
+        return self.accepted / self.tried if self.tried else 0.7   # optimistic start: a new request drafts
+
+
+@dataclass
+class DepthPolicy:
+    max_depth: int
+    adaptive: bool = True
+    min_acceptance: float = 0.2
+    probe_every: int = 16
+    step_time: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, depth) -> seconds
+    seqs: dict[int, _SeqAcceptance] = field(default_factory=dict)
+
+    def choose(self, seq_ids: list[int], limits: list[int]) -> tuple[int, list[int]]:
+        """(the step's depth, each sequence's number of drafts). limits[i] caps sequence i (tokens it may still
+        produce); a sequence that does not draft this step gets 0. Depth 0: a plain decode step."""
+        if not self.adaptive:
+            per_seq = [min(self.max_depth, lim) for lim in limits]
+            return max(per_seq, default=0), per_seq
+        rates = []
+        for seq_id, lim in zip(seq_ids, limits):
+            s = self.seqs.setdefault(seq_id, _SeqAcceptance())
+            drafting = s.rate >= self.min_acceptance or s.steps_off >= self.probe_every
+            rates.append(s.rate if drafting and lim > 0 else None)
+        if all(r is None for r in rates):
+            return 0, [0] * len(seq_ids)
+        depth = self._best_depth(len(seq_ids), [r for r in rates if r is not None])
+        return depth, [min(depth, lim) if r is not None else 0 for r, lim in zip(rates, limits)]
+
+    def _best_depth(self, batch_size: int, rates: list[float]) -> int:
+        b = bucket_of(batch_size)
+        base = self.step_time.get((b, 0))
+        if base is None:   # measure a plain step of this bucket first: every estimate is relative to it
+            return 0
+        others = batch_size - len(rates)   # sequences in the step that do not draft: one token each
+        best, best_goodput = 0, None
+        for k in range(self.max_depth + 1):
+            estimate = self.step_time.get((b, k)) or base * (1 + PRIOR_COST_PER_DRAFT * k)
+            goodput = (others + sum(expected_tokens(r, k) for r in rates)) / estimate
+            if best_goodput is None or goodput > best_goodput:
+                best, best_goodput = k, goodput
+        return best
+
+    # ---- measurements --------------------------------------------------------------------------------------
+    def record_step(self, batch_size: int, depth: int, seconds: float) -> None:
+        key = (bucket_of(batch_size), depth)
+        old = self.step_time.get(key)
+        self.step_time[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
+
+    def record_acceptance(self, seq_id: int, drafted: int, accepted: int) -> None:
+        """A verify step of sequence seq_id: `accepted` of its `drafted` drafts were accepted (0 drafted: it sat
+        this step out)."""
+        s = self.seqs.setdefault(seq_id, _SeqAcceptance())
+        if drafted == 0:
+            s.steps_off += 1
+            return
+        s.steps_off = 0
+        tried = accepted + (1 if accepted < drafted else 0)
+        s.accepted = (1 - EMA) * s.accepted + EMA * accepted
+        s.tried = (1 - EMA) * s.tried + EMA * tried
+
+    def forget(self, seq_id: int) -> None:
+        self.seqs.pop(seq_id, None)

@@ -1,0 +1,63 @@
+"""Proposers: where draft tokens come from. The engine asks each sequence's drafts before a verify step and
+tells the proposer what every target step computed, so a model-based drafter can follow along.
+
+    NgramProposer   prompt lookup: the tokens that followed the latest earlier occurrence of the context's tail
+    Eagle3Proposer  (speculative/eagle3_proposer.py) a one-layer drafter reading the target's hidden states
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from kestrel.forward.batch import ForwardOutput
+from kestrel.speculative.ngram import propose_ngram
+
+
+class DraftSource(Protocol):
+    """What a proposer may read of a sequence (the engine's Sequence)."""
+    seq_id: int
+
+    @property
+    def num_tokens(self) -> int: ...
+
+    def token_ids(self) -> list[int]: ...
+
+
+@dataclass(slots=True)
+class ComputedRows:
+    """One sequence's part of a finished target step: positions start .. start + count - 1 were computed (their
+    K/V are in the cache), and `next_tokens[i]` is the token that now follows position start + i. The step's
+    hidden-state rows for them are hidden_offset .. hidden_offset + count - 1."""
+    seq_id: int
+    start: int
+    count: int
+    next_tokens: list[int]
+    block_ids: list[int]
+    hidden_offset: int
+    draft: int   # drafts to propose for the sequence's next verify step (0: none; its blocks cover them)
+
+
+class Proposer(ABC):
+    # target layers whose input hidden states the proposer reads from every step (ForwardOutput.hidden_states)
+    aux_layers: tuple[int, ...] = ()
+
+    @abstractmethod
+    def drafts(self, seq: DraftSource, k: int) -> list[int]:
+        """Up to k draft tokens to follow the sequence's last token (fewer, or none, when it has no guess)."""
+
+    def observe(self, rows: list[ComputedRows], output: ForwardOutput) -> None:
+        """A target step finished: `rows` say what it computed for the sequences this proposer follows."""
+
+    def forget(self, seq_id: int) -> None:
+        """The sequence finished."""
+
+
+class NgramProposer(Proposer):
+    def __init__(self, min_n: int, max_n: int) -> None:
+        self.min_n, self.max_n = min_n, max_n
+
+    def drafts(self, seq: DraftSource, k: int) -> list[int]:
+        return propose_ngram(np.asarray(seq.token_ids(), dtype=np.int64), k, self.min_n, self.max_n).tolist()

@@ -1,0 +1,193 @@
+"""Speculative decoding is lossless: on the embedded default model (CPU, float32), greedy output with speculation
+(EAGLE-3 with an untrained drafter, n-gram) is token-identical to the same engine without it, alone and batched
+with requests of other lengths, with the prefix cache, chunked prefill and preemption; a drafter that always
+guesses right is always accepted; and sampling at temperature 1 keeps the target's distribution."""
+from __future__ import annotations
+
+from collections import Counter
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import DEFAULT_MODEL_DIR
+from kestrel.models.model_config import ModelConfig  # noqa: F401 - the drafter's target config type
+from kestrel.speculative.proposer import Proposer
+
+PROMPTS = [
+    "The quick brown fox", "Once upon a time, in a land far away,", "def fibonacci(n):", "1, 2, 3, 4, 5,",
+    "The capital of France is", "Hello, my name is", "import numpy as np\nimport torch\n", "In 1492, Columbus",
+    "The weather today is sunny and", "To be or not to be, that is", "SELECT * FROM users WHERE",
+    "A B C D E F G", "for i in range(10):\n    print(i)\nfor i in range(10):\n", "Water boils at",
+    "My favourite food is pizza. My favourite food is", "The cat sat on the mat. The cat sat on the",
+    "Roses are red, violets are blue,", "class Stack:\n    def __init__(self):", "Once", "Q: What is 2+2?\nA:",
+    "The first law of thermodynamics states that", "red green blue red green blue red green",
+    "Dear Sir or Madam,", "It was the best of times, it was the worst of times,",
+]
+K = 3
+
+
+def greedy(max_tokens: int) -> SamplingParams:
+    return SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+
+
+def mixed_params(n: int) -> list[SamplingParams]:
+    """Requests of other lengths in the same batch."""
+    return [greedy(8 + 7 * (i % 5)) for i in range(n)]
+
+
+def token_ids(outputs) -> list[list[int]]:
+    return [o.outputs[0].token_ids for o in outputs]
+
+
+@pytest.fixture(scope="module")
+def drafter_dir(tmp_path_factory) -> str:
+    from kestrel.models.checkpoint import load_model_config
+    from kestrel.models.eagle3_loader import random_eagle3_checkpoint
+
+    target = load_model_config(DEFAULT_MODEL_DIR)
+    out = tmp_path_factory.mktemp("drafter")
+    return str(random_eagle3_checkpoint(out, target, hidden_size=128, draft_vocab_size=target.vocab_size // 2,
+                                        seed=1, dtype=torch.float32))
+
+
+def spec_configs(drafter: str) -> dict[str, dict]:
+    return {
+        "ngram": {"method": "ngram", "num_speculative_tokens": K, "prompt_lookup_min": 1, "prompt_lookup_max": 3,
+                  "adaptive": False},
+        "eagle3": {"method": "eagle3", "model": drafter, "num_speculative_tokens": K, "adaptive": False},
+    }
+
+
+@pytest.fixture(scope="module")
+def reference() -> list[list[int]]:
+    return token_ids(LLM(device="cpu").generate(PROMPTS, mixed_params(len(PROMPTS))))
+
+
+def check_identical(llm: LLM, prompts: list[str], params: list[SamplingParams], want: list[list[int]]) -> None:
+    got = token_ids(llm.generate(prompts, params))
+    assert got == want
+    counters = llm.engine.spec.counters
+    assert counters.num_drafts > 0 and counters.num_draft_tokens > 0, "nothing was speculated"
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_greedy_batched_with_other_lengths_is_token_identical(method, drafter_dir, reference):
+    llm = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)[method])
+    check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_greedy_alone_is_token_identical(method, drafter_dir, reference):
+    llm = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)[method])
+    params = mixed_params(len(PROMPTS))
+    for i in (0, 12, 15, 21):
+        check_identical(llm, [PROMPTS[i]], [params[i]], [reference[i]])
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_prefix_cache_chunked_prefill_and_preemption(method, drafter_dir):
+    """Twice through the same prompts (the second run hits the prefix cache), in 16-token prefill chunks, with a
+    KV cache so small that sequences are preempted and recomputed."""
+    prompts = [p * 3 for p in PROMPTS[:12]]   # longer prompts: several chunks each
+    params = [greedy(40)] * len(prompts)
+    kw = dict(device="cpu", max_num_batched_tokens=16, num_gpu_blocks_override=24)
+    want = token_ids(LLM(**kw).generate(prompts, params))
+    llm = LLM(speculative_config=spec_configs(drafter_dir)[method], **kw)
+    for _ in range(2):
+        check_identical(llm, prompts, params, want)
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    assert llm.engine.prefix_cache.stats.hit_tokens > 0
+
+
+def test_adaptive_policy_stays_token_identical(drafter_dir, reference):
+    config = dict(spec_configs(drafter_dir)["eagle3"], adaptive=True)
+    llm = LLM(device="cpu", speculative_config=config)
+    assert token_ids(llm.generate(PROMPTS, mixed_params(len(PROMPTS)))) == reference
+
+
+class OracleProposer(Proposer):
+    """Drafts the continuation a run without speculation produced: a drafter identical in effect to the target."""
+
+    def __init__(self, sequences: list[list[int]]) -> None:
+        self.sequences = sequences
+
+    def drafts(self, seq, k: int) -> list[int]:
+        tokens = seq.token_ids()
+        for full in self.sequences:
+            if full[:len(tokens)] == tokens:
+                return full[len(tokens):len(tokens) + k]
+        return []
+
+
+def test_a_drafter_identical_to_the_target_is_always_accepted():
+    prompts = PROMPTS[:8]
+    params = greedy(1 + 4 * (K + 1))   # after the prefill's token, every verify step has room for K drafts
+    plain = LLM(device="cpu").generate(prompts, params)
+    llm = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": K, "adaptive": False})
+    llm.engine.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain])
+    assert token_ids(llm.generate(prompts, params)) == token_ids(plain)
+    c = llm.engine.spec.counters
+    acceptance_rate = c.num_accepted_tokens / c.num_draft_tokens
+    acceptance_length = 1 + c.num_accepted_tokens / c.num_drafts
+    assert acceptance_rate >= 0.98 and acceptance_length >= 0.98 * (K + 1), (acceptance_rate, acceptance_length)
+    assert c.accepted_per_pos == [c.num_drafts] * K
+
+
+def test_synthetic_acceptance_mode(drafter_dir):
+    """The benchmark mode accepts each draft position with the given probability, whatever the tokens."""
+    for rate, low, high in ((1.0, 0.98, 1.0), (0.5, 0.35, 0.65)):
+        llm = LLM(device="cpu", speculative_config={"method": "eagle3", "model": drafter_dir, "adaptive": False,
+                                                    "num_speculative_tokens": K, "synthetic_acceptance_rate": rate})
+        llm.generate(PROMPTS[:8], greedy(1 + 8 * (K + 1)))
+        c = llm.engine.spec.counters
+        assert low <= c.num_accepted_tokens / c.num_draft_tokens <= high
+
+
+def chi_squared_p_value(a: Counter, b: Counter) -> float:
+    """Homogeneity of two samples over categories (rare ones pooled so each expected count is >= 5)."""
+    na, nb = sum(a.values()), sum(b.values())
+    pooled, other = [], [0, 0]
+    for key in set(a) | set(b):
+        ea, eb = (a[key] + b[key]) * na / (na + nb), (a[key] + b[key]) * nb / (na + nb)
+        if min(ea, eb) < 5:
+            other[0] += a[key]
+            other[1] += b[key]
+        else:
+            pooled.append((a[key], b[key]))
+    if sum(other):
+        pooled.append(tuple(other))
+    stat = 0.0
+    for xa, xb in pooled:
+        total = xa + xb
+        for x, n in ((xa, na), (xb, nb)):
+            e = total * n / (na + nb)
+            stat += (x - e) ** 2 / e
+    dof = max(len(pooled) - 1, 1)
+    return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_sampling_keeps_the_target_distribution(method, drafter_dir):
+    """2,000 samples of the first 3 tokens at temperature 1, with and without speculation: each position's token
+    distribution (and the first two tokens jointly) pass a chi-squared homogeneity test at p > 0.001, and the
+    total-variation distance of the first token stays under 0.08 (two 2,000-sample draws of one distribution sit
+    near 0.03 on this model)."""
+    prompt = "red green blue red green blue red green"   # repetitive: the n-gram proposer drafts at every step
+    n = 2000
+    params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
+    kw = dict(device="cpu", max_num_seqs=256)
+    plain = token_ids(LLM(**kw).generate([prompt] * n, params))
+    llm = LLM(speculative_config=spec_configs(drafter_dir)[method], **kw)
+    spec = token_ids(llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True,
+                                                                seed=10_000 + i) for i in range(n)]))
+    c = llm.engine.spec.counters
+    assert c.num_draft_tokens > 0
+    for pos in range(3):
+        a, b = Counter(t[pos] for t in plain), Counter(t[pos] for t in spec)
+        assert chi_squared_p_value(a, b) > 1e-3, f"position {pos}"
+    joint_p = chi_squared_p_value(Counter(tuple(t[:2]) for t in plain), Counter(tuple(t[:2]) for t in spec))
+    assert joint_p > 1e-3
+    a, b = Counter(t[0] for t in plain), Counter(t[0] for t in spec)
+    tv = 0.5 * sum(abs(a[k] / n - b[k] / n) for k in set(a) | set(b))
+    assert tv < 0.08
