@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kestrel.errors import KestrelError
+from kestrel.speculative.config import SpeculativeConfig, resolve_speculative
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel-tiny"
 
@@ -32,6 +33,15 @@ class EngineConfig:
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
     served_model_name: str | None = None
+    # Speculative decoding: vLLM's JSON or SGLang's flags (not both); see speculative/config.py
+    speculative_config: str | dict | None = None        # vLLM: '{"method": "eagle3", "model": ..., ...}'
+    speculative_algorithm: str | None = None            # SGLang: EAGLE3 | NGRAM
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None            # K, drafting steps; default 3
+    speculative_eagle_topk: int | None = None           # children per node; 1 (default) = chain
+    speculative_num_draft_tokens: int | None = None     # tree budget counting the root, as SGLang's
+    speculative_disable_adaptive: bool = False
+    speculative_synthetic_acceptance_rate: float | None = None   # benchmarks: accept drafts with this probability
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -51,6 +61,14 @@ class EngineConfig:
                                "expected triton, flashinfer or torch")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise KestrelError(f"--kv-cache-memory {self.kv_cache_memory} is invalid: expected bytes > 0")
+        self.speculative   # fails here, at construction, on a bad speculative option
+
+    @property
+    def speculative(self) -> SpeculativeConfig | None:
+        return resolve_speculative(self.speculative_config, self.speculative_algorithm,
+                                   self.speculative_draft_model_path, self.speculative_num_steps,
+                                   self.speculative_eagle_topk, self.speculative_num_draft_tokens,
+                                   self.speculative_disable_adaptive, self.speculative_synthetic_acceptance_rate)
 
     @property
     def model_path(self) -> Path:
@@ -126,6 +144,31 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None)
     parser.add_argument("--disable-prefix-cache", action="store_true")
     parser.add_argument("--served-model-name", default=None)
+    spec = parser.add_argument_group("speculative decoding", "vLLM's --speculative-config or SGLang's "
+                                     "--speculative-* flags, not both")
+    spec.add_argument("--speculative-config", default=None, metavar="JSON",
+                      help="vLLM's form: '{\"method\": \"eagle3\", \"model\": DRAFTER_DIR, "
+                      "\"num_speculative_tokens\": 3}' or '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
+                      "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'; Kestrel's keys: topk, num_draft_tokens "
+                      "(tree nodes, root excluded), synthetic_acceptance_rate, adaptive")
+    spec.add_argument("--speculative-algorithm", default=None, metavar="{EAGLE3,NGRAM}",
+                      help="SGLang's form: EAGLE3 (a drafter model reading the target's hidden states) or NGRAM "
+                      "(prompt lookup: copy what followed the last n tokens earlier in the context)")
+    spec.add_argument("--speculative-draft-model-path", default=None, metavar="DIR",
+                      help="the EAGLE-3 drafter's directory")
+    spec.add_argument("--speculative-num-steps", type=int, default=None, metavar="K",
+                      help="drafting steps K: tokens drafted per sequence per step (vLLM's num_speculative_tokens; "
+                      "unset: 3)")
+    spec.add_argument("--speculative-eagle-topk", type=int, default=None, metavar="TOPK",
+                      help="branches kept per drafting step (unset: 1, a chain); more than 1 drafts a tree")
+    spec.add_argument("--speculative-num-draft-tokens", type=int, default=None, metavar="N",
+                      help="tokens verified per step counting the last accepted one, as SGLang: K + 1 for a chain, "
+                      "the tree's budget otherwise")
+    spec.add_argument("--speculative-disable-adaptive", action="store_true",
+                      help="always draft K tokens, even while drafts keep being rejected")
+    spec.add_argument("--speculative-synthetic-acceptance-rate", type=float, default=None, metavar="P",
+                      help="benchmarks: accept each draft with probability P whatever the tokens (output is not "
+                      "the model's)")
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:

@@ -11,8 +11,8 @@ import kestrel
 
 ROOT = Path(kestrel.__file__).parent
 BELOW_THE_ENGINE = ("kestrel.attention", "kestrel.layers", "kestrel.models", "kestrel.kernels", "kestrel.cache")
-ABOVE = ("kestrel.engine", "kestrel.frontend", "kestrel.server", "kestrel.bench", "kestrel.forward.runner",
-         "kestrel.forward.decode_graphs", "kestrel.forward.prefill_graphs", "kestrel.llm")
+ABOVE = ("kestrel.engine", "kestrel.speculative", "kestrel.frontend", "kestrel.server", "kestrel.bench",
+         "kestrel.forward.runner", "kestrel.forward.decode_graphs", "kestrel.forward.prefill_graphs", "kestrel.llm")
 
 
 def _modules() -> dict[str, set[str]]:
@@ -40,6 +40,18 @@ def test_nothing_below_the_engine_imports_it():
     upward = {name: sorted(i for i in imports if i.startswith(ABOVE))
               for name, imports in _modules().items() if name.startswith(BELOW_THE_ENGINE)}
     assert {name: bad for name, bad in upward.items() if bad} == {}
+
+
+def test_speculative_decoding_sits_beside_the_engine():
+    """speculative/ may use forward/, models/, layers/ and cache/, never the process boundary or the server; its
+    config module is parsed in the server process too, so it stays torch-free."""
+    modules = _modules()
+    outward = {name: sorted(i for i in imports if i.startswith(("kestrel.server", "kestrel.frontend", "kestrel.bench",
+                                                                 "kestrel.llm")))
+               for name, imports in modules.items() if name.startswith("kestrel.speculative")}
+    assert {name: bad for name, bad in outward.items() if bad} == {}
+    config_imports = ast.walk(ast.parse((ROOT / "speculative" / "config.py").read_text()))
+    assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.unparse(n) for n in config_imports)
 
 
 def test_no_import_cycles():
