@@ -82,7 +82,14 @@ class FakeOpenAIServer:
         text = ("# TYPE kestrel:spec_decode_num_drafts_total counter\n"
                 f'kestrel:spec_decode_num_drafts_total{{model_name="{self.model}"}} {10 * n}\n'
                 f"kestrel:spec_decode_num_draft_tokens_total {30 * n}\n"
-                f"kestrel:spec_decode_num_accepted_tokens_total {15 * n}\n")
+                f"kestrel:spec_decode_num_accepted_tokens_total {15 * n}\n"
+                "# TYPE kestrel:spec_decode_num_accepted_tokens_per_pos_total counter\n"
+                f'kestrel:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{self.model}",position="0"}} '
+                f"{8 * n}\n"
+                f'kestrel:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{self.model}",position="1"}} '
+                f"{5 * n}\n"
+                f'kestrel:spec_decode_num_accepted_tokens_per_pos_total{{model_name="{self.model}",position="2"}} '
+                f"{2 * n}\n")
         return web.Response(text=text)
 
     async def _complete(self, request: web.Request) -> web.StreamResponse:

@@ -8,7 +8,10 @@ from tests.test_bench_fakeserver import FakeOpenAIServer, chunk_plan
 
 from kestrel.bench.client import ApiOptions, run_load, warmup
 from kestrel.bench.datasets import BenchRequest
-from kestrel.bench.metrics import distribution, parse_slo, reconcile_chunk_tokens, summarize, token_gaps
+from kestrel.bench.metrics import distribution, parse_slo, reconcile_chunk_tokens, summarize, token_gaps, tpot
+from kestrel.bench.server_info import parse_prometheus, spec_decode_stats
+from kestrel.engine.messages import EngineStats
+from kestrel.server.metrics import ServerMetrics
 from kestrel.errors import KestrelError
 
 
@@ -20,6 +23,52 @@ def test_itl_spreads_a_multi_token_chunk_gap_over_its_tokens():
 def test_extra_tokens_of_the_first_chunk_have_zero_gaps_and_empty_chunks_are_skipped():
     assert token_gaps([0.5, 0.6, 0.8], [2, 0, 1]) == pytest.approx([0.0, 0.3])
     assert token_gaps([0.5], [1]) == []
+
+
+def test_chunks_of_1_3_2_tokens_give_five_itl_values_not_two():
+    # accepted drafts arrive together: 6 tokens in 3 chunks are 5 inter-token gaps, each chunk's gap shared
+    itl = token_gaps([0.0, 0.3, 0.5], [1, 3, 2])
+    assert itl == pytest.approx([0.1, 0.1, 0.1, 0.1, 0.1])
+    record = {"ttft": 0.0, "e2e": 0.5, "output_tokens": 6}
+    assert tpot(record) == pytest.approx(sum(itl) / len(itl))   # TPOT counts tokens too
+
+
+def _spec_snapshot(drafts: int, draft_tokens: int, accepted: int, per_pos: tuple[int, ...]) -> dict[str, float]:
+    """/metrics as a Kestrel server renders it for these cumulative totals."""
+    stats = EngineStats(0, 0, 0.0, 0, 8, 0, 0, 0, 0, 0, spec_num_drafts=drafts, spec_num_draft_tokens=draft_tokens,
+                        spec_num_accepted_tokens=accepted, spec_accepted_per_pos=per_pos)
+    return parse_prometheus(ServerMetrics(lambda: stats, "m").render().decode())
+
+
+def test_acceptance_rate_and_length_come_from_two_metrics_snapshots():
+    before = _spec_snapshot(5, 15, 9, (4, 3, 2))
+    after = _spec_snapshot(15, 45, 25, (12, 8, 5))   # the run: 10 drafts of 3 tokens, 16 accepted (8, 5, 3)
+    spec = spec_decode_stats(before, after)
+    assert spec["source"] == "kestrel"
+    assert (spec["num_drafts"], spec["num_draft_tokens"], spec["num_accepted_tokens"]) == (10, 30, 16)
+    assert spec["acceptance_rate"] == pytest.approx(16 / 30)
+    assert spec["mean_accepted_length"] == pytest.approx(1 + 16 / 10)
+    assert spec["num_accepted_tokens_per_pos"] == [8, 5, 3]
+    assert spec["acceptance_rate_per_pos"] == pytest.approx([0.8, 0.5, 0.3])
+
+
+def test_acceptance_fields_are_null_without_drafts_or_without_counters():
+    idle = spec_decode_stats(_spec_snapshot(0, 0, 0, ()), _spec_snapshot(0, 0, 0, ()))
+    assert idle["num_drafts"] == 0
+    assert idle["acceptance_rate"] is idle["mean_accepted_length"] is idle["acceptance_rate_per_pos"] is None
+    assert spec_decode_stats({}, parse_prometheus("kestrel:prompt_tokens_total 5\n")) is None
+    assert spec_decode_stats(None, None) is None
+
+
+def test_vllm_counters_are_read_the_same_way():
+    text = ('vllm:spec_decode_num_drafts_total{model_name="x"} 4\n'
+            'vllm:spec_decode_num_draft_tokens_total{model_name="x"} 8\n'
+            'vllm:spec_decode_num_accepted_tokens_total{model_name="x"} 6\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="0"} 4\n'
+            'vllm:spec_decode_num_accepted_tokens_per_pos_total{model_name="x",position="1"} 2\n')
+    spec = spec_decode_stats(None, parse_prometheus(text))
+    assert spec["source"] == "vllm" and spec["mean_accepted_length"] == pytest.approx(2.5)
+    assert spec["acceptance_rate_per_pos"] == pytest.approx([1.0, 0.5])
 
 
 def test_distribution_uses_linear_interpolation_percentiles():

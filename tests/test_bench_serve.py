@@ -37,9 +37,13 @@ def test_single_and_peak_runs_the_tuning_report_method_then_streams_it(tmp_path,
     assert single["spec_decode"]["source"] == "kestrel"
     assert single["spec_decode"]["acceptance_rate"] == pytest.approx(0.5)
     assert single["spec_decode"]["mean_accepted_length"] == pytest.approx(2.5)
+    assert single["spec_decode"]["acceptance_rate_per_pos"] == pytest.approx([0.8, 0.5, 0.2])
     assert result["server"]["model"] == "fake-model" and result["server"]["version"] == {"version": "fake-1.0"}
     assert result["environment"]["python"] and "packages" in result["environment"]
-    assert "single-stream" in capsys.readouterr().out   # the summary table
+    out = capsys.readouterr().out
+    assert "single-stream" in out   # the summary table
+    assert ("[single] spec decode (kestrel): acceptance rate 0.5, acceptance length 2.5, "
+            "per position 0.80 0.50 0.20") in out
 
 
 def test_sweep_streams_each_concurrency_and_compare_renders_table_and_plots(tmp_path):

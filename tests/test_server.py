@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import pickle
 import re
 import socket
 import threading
@@ -14,7 +15,9 @@ import pytest
 
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineConfig
+from kestrel.engine.messages import EngineStats, decode_stats, encode_stats
 from kestrel.server.app import ServerConfig, build_app
+from kestrel.server.metrics import ServerMetrics
 from kestrel.server.server import KestrelServer
 
 PROMPTS = ["def main(", "import os\nimport"]
@@ -245,6 +248,29 @@ def test_metrics_count_what_happened(client, server, model_name):
                  "kestrel:time_per_output_token_seconds_count", "kestrel:e2e_request_latency_seconds_count",
                  "kestrel:request_queue_time_seconds_count"):
         metric(server.url, name)
+    # no speculation: the scalar spec counters are there at 0, the per-position family has no series
+    assert metric(server.url, "kestrel:spec_decode_num_drafts_total") == 0
+    assert "kestrel:spec_decode_num_accepted_tokens_per_pos_total{" not in httpx.get(f"{server.url}/metrics").text
+
+
+def test_speculative_counters_cross_the_engine_pipe_and_reach_metrics():
+    stats = EngineStats(num_running=1, num_waiting=0, kv_cache_usage=0.5, num_used_blocks=4, num_total_blocks=8,
+                        num_preemptions=0, prompt_tokens_total=10, generation_tokens_total=30,
+                        prefix_cache_queries=0, prefix_cache_hits=0, spec_num_drafts=10, spec_num_draft_tokens=30,
+                        spec_num_accepted_tokens=16, spec_accepted_per_pos=(8, 5, 3))
+    over_the_pipe = decode_stats(pickle.loads(pickle.dumps(encode_stats(stats))))   # as engine/core.py sends it
+    assert over_the_pipe == stats
+    text = ServerMetrics(lambda: over_the_pipe, "m").render().decode()
+    for line in ('kestrel:spec_decode_num_drafts_total{model_name="m"} 10.0',
+                 'kestrel:spec_decode_num_draft_tokens_total{model_name="m"} 30.0',
+                 'kestrel:spec_decode_num_accepted_tokens_total{model_name="m"} 16.0',
+                 'kestrel:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 8.0',
+                 'kestrel:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 5.0',
+                 'kestrel:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="2"} 3.0'):
+        assert line in text.splitlines()
+    # an EngineStats built without the speculative fields (a non-speculating engine) still crosses the pipe
+    plain = EngineStats(0, 0, 0.0, 0, 8, 0, 0, 0, 0, 0)
+    assert decode_stats(encode_stats(plain)).spec_accepted_per_pos == ()
 
 
 # ---- bad input: always a 4xx in OpenAI's error format -------------------------------------------------------------

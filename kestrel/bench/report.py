@@ -85,7 +85,21 @@ def summary_table(result: dict[str, Any]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(cols))]
     lines = ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    return "\n".join(lines) + "\n(times in ms; tok/s/req and ms/tok are per request, E2E based)"
+    lines.append("(times in ms; tok/s/req and ms/tok are per request, E2E based)")
+    lines += [line for run in result["runs"] if (line := spec_decode_line(run))]
+    return "\n".join(lines)
+
+
+def spec_decode_line(run: dict[str, Any]) -> str | None:
+    """`[run] spec decode: acceptance rate 0.62, acceptance length 2.9, per position 0.8 0.6 0.5`; None when the
+    server reported no speculative counters or drafted nothing in this run."""
+    spec = run.get("spec_decode") or {}
+    parts = [f"{label} {_fmt(spec[key])}" for label, key in (("acceptance rate", "acceptance_rate"),
+                                                              ("acceptance length", "mean_accepted_length"))
+             if spec.get(key) is not None]
+    if spec.get("acceptance_rate_per_pos"):
+        parts.append("per position " + " ".join(f"{r:.2f}" for r in spec["acceptance_rate_per_pos"]))
+    return f"[{run['name']}] spec decode ({spec['source']}): " + ", ".join(parts) if parts else None
 
 
 def _labels(results: Sequence[dict[str, Any]], labels: Sequence[str] | None) -> list[str]:

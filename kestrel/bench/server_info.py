@@ -1,12 +1,14 @@
 """What a result file records besides timings: server identity, its /metrics (speculative decoding), the host.
 
-Speculative-decoding counters are read before and after a run; the deltas give the acceptance rate and the mean
-accepted length (tokens per verification step, counting the bonus token, as vLLM reports it).
+Speculative-decoding counters are read before and after a run; the deltas give the acceptance rate (accepted /
+draft tokens), the mean accepted length (1 + accepted / drafts: tokens per verify step per sequence, counting the
+bonus token, as vLLM reports it) and the acceptance rate at each draft position (accepted there / drafts).
 """
 from __future__ import annotations
 
 import importlib.metadata
 import platform
+import re
 import shutil
 import socket
 import subprocess
@@ -15,12 +17,12 @@ from typing import Any
 
 import httpx
 
-# (drafts, draft tokens, accepted tokens) counter names per server family
+# (drafts, draft tokens, accepted tokens, accepted per position) counter names per server family
 SPEC_COUNTERS = {
-    "kestrel": ("kestrel:spec_decode_num_drafts_total", "kestrel:spec_decode_num_draft_tokens_total",
-                "kestrel:spec_decode_num_accepted_tokens_total"),
-    "vllm": ("vllm:spec_decode_num_drafts_total", "vllm:spec_decode_num_draft_tokens_total",
-             "vllm:spec_decode_num_accepted_tokens_total"),
+    family: (f"{family}:spec_decode_num_drafts_total", f"{family}:spec_decode_num_draft_tokens_total",
+             f"{family}:spec_decode_num_accepted_tokens_total",
+             f"{family}:spec_decode_num_accepted_tokens_per_pos_total")
+    for family in ("kestrel", "vllm")
 }
 # SGLang exports gauges (averages over its recent window), not counters: read them after the run.
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
@@ -58,7 +60,8 @@ def first_model(info: dict[str, Any]) -> str | None:
 
 
 def parse_prometheus(text: str) -> dict[str, float]:
-    """Sample name -> value, summed over label sets (enough for the counters and gauges read here)."""
+    """Sample name -> value, summed over label sets (enough for the counters and gauges read here); a sample with
+    a `position` label also counts under its own key, `name{position="i"}` (see at_position)."""
     values: dict[str, float] = {}
     for line in text.splitlines():
         line = line.strip()
@@ -73,7 +76,15 @@ def parse_prometheus(text: str) -> dict[str, float]:
         except (ValueError, IndexError):
             continue
         values[name] = values.get(name, 0.0) + value
+        position = re.search(r'[{,]\s*position="(\d+)"', line)
+        if position:
+            key = at_position(name, int(position.group(1)))
+            values[key] = values.get(key, 0.0) + value
     return values
+
+
+def at_position(name: str, position: int) -> str:
+    return f'{name}{{position="{position}"}}'
 
 
 def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
@@ -89,19 +100,26 @@ def spec_decode_stats(before: dict[str, float] | None, after: dict[str, float] |
     if after is None:
         return None
     before = before or {}
-    for source, (drafts_n, draft_tokens_n, accepted_n) in SPEC_COUNTERS.items():
+    def delta(name: str) -> float:
+        return after.get(name, 0.0) - before.get(name, 0.0)
+
+    for source, (drafts_n, draft_tokens_n, accepted_n, per_pos_n) in SPEC_COUNTERS.items():
         if drafts_n in after or accepted_n in after:
-            drafts = after.get(drafts_n, 0.0) - before.get(drafts_n, 0.0)
-            proposed = after.get(draft_tokens_n, 0.0) - before.get(draft_tokens_n, 0.0)
-            accepted = after.get(accepted_n, 0.0) - before.get(accepted_n, 0.0)
+            drafts, proposed, accepted = delta(drafts_n), delta(draft_tokens_n), delta(accepted_n)
+            per_pos = []
+            while at_position(per_pos_n, len(per_pos)) in after:
+                per_pos.append(delta(at_position(per_pos_n, len(per_pos))))
             return {"source": source, "num_drafts": drafts, "num_draft_tokens": proposed,
                     "num_accepted_tokens": accepted,
                     "acceptance_rate": accepted / proposed if proposed > 0 else None,
-                    "mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else None}
+                    "mean_accepted_length": 1.0 + accepted / drafts if drafts > 0 else None,
+                    "num_accepted_tokens_per_pos": per_pos or None,
+                    "acceptance_rate_per_pos": [a / drafts for a in per_pos] if per_pos and drafts > 0 else None}
     if SGLANG_ACCEPT_LENGTH in after:
         return {"source": "sglang", "num_drafts": None, "num_draft_tokens": None, "num_accepted_tokens": None,
                 "acceptance_rate": after.get(SGLANG_ACCEPT_RATE),
-                "mean_accepted_length": after[SGLANG_ACCEPT_LENGTH]}
+                "mean_accepted_length": after[SGLANG_ACCEPT_LENGTH],
+                "num_accepted_tokens_per_pos": None, "acceptance_rate_per_pos": None}
     return None
 
 

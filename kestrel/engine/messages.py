@@ -43,6 +43,12 @@ class EngineStats:
     generation_tokens_total: int
     prefix_cache_queries: int
     prefix_cache_hits: int
+    # Speculative decoding, cumulative since start (0 / () when the engine does not speculate). A draft is one
+    # sequence's proposal in one verify step: acceptance length = 1 + accepted / drafts, counting the bonus token.
+    spec_num_drafts: int = 0
+    spec_num_draft_tokens: int = 0
+    spec_num_accepted_tokens: int = 0
+    spec_accepted_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token at draft position i was accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,6 +86,7 @@ class EngineLimits:
 #            num_cached_tokens, queue_time_s)
 #     logprobs: None or [(token_id, logprob, [(token_id, logprob), ...]), ...]
 #     queue_time_s: on a sample's first update, seconds it waited to be scheduled; else None
+#   stats: EngineStats's fields in declaration order (a new field travels without a change here)
 
 def encode_update(u: SampleUpdate, queue_time_s: float | None) -> tuple:
     lps = None if u.new_logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in u.new_logprobs]

@@ -1,8 +1,9 @@
 """Prometheus metrics under the `kestrel:` namespace, named after vLLM's so dashboards carry over.
 
-Engine-wide counts (running, waiting, KV usage, token and preemption totals, prefix cache) are read from the
-AsyncEngine's latest EngineStats snapshot at scrape time; per-request latencies are observed by the HTTP handlers
-as each sample finishes. Each app has its own CollectorRegistry, so several servers can live in one process.
+Engine-wide counts (running, waiting, KV usage, token and preemption totals, prefix cache, speculative drafts and
+acceptance) are read from the AsyncEngine's latest EngineStats snapshot at scrape time; per-request latencies are
+observed by the HTTP handlers as each sample finishes. Each app has its own CollectorRegistry, so several servers
+can live in one process.
 """
 from __future__ import annotations
 
@@ -57,11 +58,18 @@ class _EngineStatsCollector(Collector):
         yield counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.",
                       field("prefix_cache_queries"))
         yield counter("prefix_cache_hits", "Prompt tokens served by the prefix cache.", field("prefix_cache_hits"))
-        # Speculative decoding is not there yet; the series exist (as 0) so dashboards need no change later.
-        yield counter("spec_decode_num_drafts", "Draft proposals.", field("spec_decode_num_drafts"))
-        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", field("spec_decode_num_draft_tokens"))
-        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.",
-                      field("spec_decode_num_accepted_tokens"))
+        # Speculative decoding: always exposed, 0 when the engine does not speculate, so a scraper's rate() has
+        # its first sample before the first draft and the bench tells "no speculation" by zero drafts.
+        yield counter("spec_decode_num_drafts", "Verify steps times sequences with a draft.",
+                      field("spec_num_drafts"))
+        yield counter("spec_decode_num_draft_tokens", "Draft tokens proposed.", field("spec_num_draft_tokens"))
+        yield counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.", field("spec_num_accepted_tokens"))
+        per_pos = CounterMetricFamily("kestrel:spec_decode_num_accepted_tokens_per_pos",
+                                      "Drafts whose token at this draft position was accepted.",
+                                      labels=["model_name", "position"])
+        for position, accepted in enumerate(getattr(stats, "spec_accepted_per_pos", ()) or ()):
+            per_pos.add_metric([self.model_name, str(position)], float(accepted))
+        yield per_pos   # one series per draft position (none without speculation)
 
 
 class ServerMetrics:
