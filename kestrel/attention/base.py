@@ -1,4 +1,4 @@
-"""AttentionBackend: the interface every attention implementation (torch, triton, flashinfer) provides.
+r"""AttentionBackend: the interface every attention implementation (torch, triton, flashinfer) provides.
 
 Paged KV cache, one pair of tensors per layer:
 
@@ -11,6 +11,27 @@ query token to every cached token of its sequence at or before its own position:
     query i of sequence s sits at position kv_lens[s] - query_len[s] + i.
 A model whose fused attention prologue (kestrel/kernels/triton/attention_prologue.py) has already written the step's K/V passes
 k = v = None instead; only backends whose supports_prewritten_kv() is True are handed that.
+
+Tree verify steps (batch.tree_mask is not None; only backends whose supports_tree_mask() is True are handed one).
+Sequence s's Q = query_len[s] query tokens are its last verified token (the root, node 0) and N = Q - 1 draft
+nodes in BFS order. Their K/V sit at consecutive cache indices as usual, but their rotary positions are
+start + depth, not start + i, so causality comes from the mask, never from batch.positions:
+
+    cache index:  0 ........ P-1 | P      P+1    P+2    P+3   ...  P+Q-1        P = kv_lens[s] - query_len[s]
+                  keys before the | node 0 node 1 node 2 node 3 ...               (the step's keys)
+                  step: every     |
+                  query sees them | query i sees node j iff tree_mask[s, i, j]
+
+    e.g. root 0 with children 1, 2 and node 3 a child of 1:      tree_mask[s] (row i = query, col j = key)
+              0                                                        j: 0 1 2 3
+             / \                                                   i=0:  1 0 0 0
+            1   2                                                  i=1:  1 1 0 0
+            |                                                      i=2:  1 0 1 0
+            3                                                      i=3:  1 1 0 1
+
+tree_mask is bool [S, max_query_len, max_query_len]: a node sees itself and its ancestors (the engine builds it),
+so every real row sees the root and its own diagonal; rows and columns at or past query_len[s] are padding and
+never read. A chain (each node's parent the one before it) is the ordinary causal step.
 """
 from __future__ import annotations
 
@@ -50,4 +71,8 @@ class AttentionBackend(ABC):
 
     def supports_prewritten_kv(self) -> bool:
         """True if forward() accepts k = v = None, the K/V having been written at slot_mapping by the model."""
+        return False
+
+    def supports_tree_mask(self) -> bool:
+        """True if forward() honours batch.tree_mask (tree verify steps); the engine builds none for others."""
         return False

@@ -54,6 +54,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if self._planned_for is not batch:   # every layer of a step shares one plan
+            assert batch.tree_mask is None, "flashinfer does not support tree masks (supports_tree_mask is False)"
             self._plan(batch, q, k_cache, scale)
             self._planned_for = batch            # a strong reference, so the identity test cannot be fooled
         wrapper = self._decode if batch.is_decode else self._prefill

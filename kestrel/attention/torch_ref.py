@@ -36,8 +36,11 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, kv_lens: torch.Tensor, max_query_len: int, max_kv_len: int,
-                    scale: float) -> torch.Tensor:
-    """Causal attention of ragged queries [T, Hq, D] over the paged cache; returns [T, Hq, D]."""
+                    scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention of ragged queries [T, Hq, D] over the paged cache; returns [T, Hq, D].
+
+    With tree_mask [S, max_query_len, max_query_len] bool (base.py draws it), query i sees every key before the
+    step and the step's key j iff tree_mask[s, i, j], instead of the step's keys 0 .. i."""
     num_seqs = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -57,6 +60,14 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     q_pos = (kv_lens.long() - q_lens)[:, None] + torch.arange(max_query_len, device=device)[None, :]
     k_pos = torch.arange(max_kv_len, device=device)
     mask = k_pos[None, None, :] <= q_pos[:, :, None]      # [S, max_q, max_kv]
+    if tree_mask is not None:
+        # Key at cache index p is the step's key j = p - (kv_len - q_len); those before the step (j < 0) stay
+        # visible, the step's own keys are visible as the tree says.
+        step_start = (kv_lens.long() - q_lens)[:, None]
+        j = k_pos[None, :] - step_start                   # [S, max_kv]
+        in_step = (j >= 0) & (j < q_lens[:, None])
+        tree_bits = tree_mask.gather(2, j.clamp(0, max_query_len - 1)[:, None, :].expand(-1, max_query_len, -1))
+        mask = (j < 0)[:, None, :] | (in_step[:, None, :] & tree_bits)
     mask &= k_pos[None, None, :] < kv_lens.long()[:, None, None]
     scores = torch.einsum("sqhd,skhd->shqk", q_pad.float(), keys.float()) * scale
     scores = scores.masked_fill(~mask[:, None], float("-inf"))
@@ -73,8 +84,11 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_prewritten_kv(self) -> bool:
         return True
 
+    def supports_tree_mask(self) -> bool:
+        return True
+
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the model's attention prologue already wrote this step's K/V
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,
-                               batch.max_query_len, batch.max_kv_len, scale)
+                               batch.max_query_len, batch.max_kv_len, scale, batch.tree_mask)

@@ -34,6 +34,9 @@ class TritonAttentionBackend(AttentionBackend):
     def supports_prewritten_kv(self) -> bool:
         return True
 
+    def supports_tree_mask(self) -> bool:
+        return True
+
     def init_graph_buffers(self, max_batch_size: int, max_blocks_per_seq: int, device: torch.device) -> None:
         self._max_batch_size = max_batch_size
         self._partials = None   # (re)allocated at the next decode forward, sized for max_batch_size
@@ -41,7 +44,7 @@ class TritonAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the fused attention prologue already wrote this step's K/V
             paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
-        if batch.is_decode:
+        if batch.is_decode:   # a tree of one node (no drafts) is its own root: its [S, 1, 1] mask is causal
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             num_seqs, num_heads, head_dim = q.shape
             if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
@@ -50,7 +53,7 @@ class TritonAttentionBackend(AttentionBackend):
             return paged_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
                                                    partials=partials)
         return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
-                                               batch.kv_lens, batch.max_query_len, scale)
+                                               batch.kv_lens, batch.max_query_len, scale, batch.tree_mask)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          device: torch.device) -> paged_decode.DecodeScratch | None:

@@ -52,6 +52,8 @@ class ForwardBatch:
     capture_hidden_layers: tuple[int, ...] = ()  # layers whose *input* hidden states are returned (EAGLE-3)
     input_embeds: torch.Tensor | None = None     # [T, hidden] when the caller already looked the tokens up
                                                  # (the decode graphs' fused head, kestrel/kernels/triton/step_inputs.py)
+    tree_mask: torch.Tensor | None = None        # [S, max_query_len, max_query_len] bool, a tree verify step's
+                                                 # step-key visibility (attention/base.py draws it); None: causal
 
     @property
     def num_tokens(self) -> int:
@@ -76,6 +78,7 @@ class ForwardBatch:
             block_table=move(self.block_table), slot_mapping=move(self.slot_mapping),
             logits_at=move(self.logits_at), max_query_len=self.max_query_len, max_kv_len=self.max_kv_len,
             capture_hidden_layers=self.capture_hidden_layers, input_embeds=move(self.input_embeds),
+            tree_mask=move(self.tree_mask),
         )
 
 

@@ -138,26 +138,68 @@ def _attend_tile(
     return _attend_kv(q, m_i, l_i, acc, k, v, n0, kv_end, row_pos, scale_log2, BLOCK_N, DOT_FP32, DOT_PRECISION)
 
 
+@triton.jit
+def _attend_tree_tile(
+    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
+    n0, step_start, kv_end,      # the step's keys n0 .. n0 + BLOCK_N - 1 (n0 >= step_start) below kv_end
+    tree_rows, row_mask,         # mask pointers at each row's tree_mask[s, i, 0]; rows past q_len masked off
+    table_row, k_base, v_base,   # block-table row of the sequence; cache pointers already at the kv head
+    stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
+    dims, dim_mask, scale_log2,
+    BLOCK_N: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """_attend_tile for a tile of the step's own keys in a tree step: row i sees key j iff tree_mask[s, i, j]."""
+    k, v = _load_kv_tile(n0, n0, kv_end, table_row, k_base, v_base, stride_kc_block, stride_kc_off,
+                         stride_vc_block, stride_vc_off, dims, dim_mask, BLOCK_N, BLOCK_SIZE)
+    pos = n0 + tl.arange(0, BLOCK_N)
+    bits = tl.load(tree_rows[:, None] + (pos - step_start)[None, :],
+                   mask=row_mask[:, None] & (pos < kv_end)[None, :], other=0)
+    visible = (bits != 0) | (row_mask[:, None] == 0)   # padded rows see everything: finite, never stored
+    if DOT_FP32:
+        k = k.to(tl.float32)
+        v = v.to(tl.float32)
+    else:
+        k = k.to(q.dtype)
+        v = v.to(q.dtype)
+    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2    # [R, BLOCK_N], log2 units
+    scores = tl.where(visible, scores, float("-inf"))
+    # A real row sees a key before the step or the root (the step's first key) before any other step key, so
+    # m_new is finite here.
+    m_new = tl.maximum(m_i, tl.max(scores, 1))
+    p = tl.exp2(scores - m_new[:, None])
+    alpha = tl.exp2(m_i - m_new)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # extend: ragged query chunks (prefill, chunked prefill, speculative verify) over the paged cache
 # ---------------------------------------------------------------------------------------------------------------
 #
-# One program per (query tile, sequence, query head). Query i of sequence s sits at position
-# kv_len - q_len + i and sees keys at positions <= its own; the new tokens are already in the cache, so the
+# One program per (query tile, sequence, query head). Query i of sequence s sits at cache index
+# kv_len - q_len + i and sees keys at indices <= its own; the new tokens are already in the cache, so the
 # keys are read from the cache only. The loop stops at the tile's last query position (causal skip).
+#
+# TREE (a tree verify step; tree_mask drawn in kestrel/attention/base.py): the keys before the step run through
+# the same causal tiles (every row's index is past them all), then the step's own keys [kv_len - q_len, kv_len)
+# run through _attend_tree_tile, which reads the tree_mask bits of the query tile x key tile. Without TREE the
+# tree_mask arguments are None and the kernel compiles as the causal one.
 
 @triton.jit
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, kv_lens_ptr, out_ptr,
+    tree_mask_ptr,               # [S, Q, Q] uint8 (a bool mask's bytes) when TREE; it and its strides None else
     scale_log2,
     stride_qt, stride_qh,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
     stride_bt,
     stride_ot, stride_oh,
+    stride_tm_seq, stride_tm_row,
     GROUP: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     BLOCK_D: tl.constexpr, BLOCK_SIZE: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    INTERPRET: tl.constexpr,
+    INTERPRET: tl.constexpr, TREE: tl.constexpr,
 ):
     tile = tl.program_id(0)
     seq = tl.program_id(1)
@@ -186,7 +228,10 @@ def _extend_kernel(
         table_row = block_table_ptr + seq * stride_bt
         k_base = k_cache_ptr + kv_head * stride_kc_head
         v_base = v_cache_ptr + kv_head * stride_vc_head
-        kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)   # causal: nothing past the tile's last row
+        if TREE:
+            kv_end = kv_len - q_len   # the keys before the step: every row sees them all
+        else:
+            kv_end = tl.minimum(kv_len, kv_len - q_len + m0 + BLOCK_M)   # causal: nothing past the tile's last row
         if INTERPRET:
             n0 = 0
             while n0 < kv_end:
@@ -201,6 +246,23 @@ def _extend_kernel(
                                              stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
                                              dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32,
                                              DOT_PRECISION)
+        if TREE:
+            step_start = kv_len - q_len
+            tree_rows = tree_mask_ptr + seq.to(tl.int64) * stride_tm_seq + rows * stride_tm_row
+            if INTERPRET:
+                n0 = step_start
+                while n0 < kv_len:
+                    m_i, l_i, acc = _attend_tree_tile(q, m_i, l_i, acc, n0, step_start, kv_len, tree_rows,
+                                                      row_mask, table_row, k_base, v_base, stride_kc_block,
+                                                      stride_kc_off, stride_vc_block, stride_vc_off, dims, dim_mask,
+                                                      scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
+                    n0 += BLOCK_N
+            else:
+                for n0 in range(step_start, kv_len, BLOCK_N):
+                    m_i, l_i, acc = _attend_tree_tile(q, m_i, l_i, acc, n0, step_start, kv_len, tree_rows,
+                                                      row_mask, table_row, k_base, v_base, stride_kc_block,
+                                                      stride_kc_off, stride_vc_block, stride_vc_off, dims, dim_mask,
+                                                      scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
 
         out = acc / l_i[:, None]
         tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
@@ -216,6 +278,7 @@ def extend_attention(
     kv_lens: torch.Tensor,          # [S] int32, cache length after this step
     max_query_len: int,             # host int: sizes the grid
     scale: float,
+    tree_mask: torch.Tensor | None = None,   # [S, max_query_len, max_query_len] bool: a tree verify step
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = kv_lens.shape[0]
@@ -226,19 +289,30 @@ def extend_attention(
     out = torch.empty_like(q)
     if num_tokens == 0 or num_seqs == 0:
         return out
+    tree_bytes, tm_seq, tm_row = None, None, None   # None: constexpr, so the causal kernel compiles as before
+    if tree_mask is not None:
+        assert tree_mask.dtype == torch.bool and tree_mask.shape[0] == num_seqs, \
+            f"tree_mask must be bool [{num_seqs}, Q, Q], got {tree_mask.dtype} {tuple(tree_mask.shape)}"
+        assert tree_mask.shape[1] == tree_mask.shape[2] >= max_query_len, \
+            f"tree_mask {tuple(tree_mask.shape)} does not cover max_query_len {max_query_len}"
+        tree_bytes = _last_dim_contiguous(tree_mask).view(torch.uint8)
+        tm_seq, tm_row = tree_bytes.stride(0), tree_bytes.stride(1)
     tiles = _extend_tiles(q)
     grid = (triton.cdiv(max_query_len, tiles["BLOCK_M"]), num_seqs, num_heads)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, out,
+        tree_bytes,
         scale * LOG2E,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         block_table.stride(0),
         out.stride(0), out.stride(1),
+        tm_seq, tm_row,
         GROUP=num_heads // num_kv_heads, HEAD_DIM=head_dim, BLOCK_M=tiles["BLOCK_M"], BLOCK_N=tiles["BLOCK_N"],
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=block_size,
         DOT_FP32=_dot_in_fp32(q), DOT_PRECISION=_dot_precision(q), INTERPRET=_interpreted(),
+        TREE=tree_mask is not None,
         num_warps=tiles["num_warps"], num_stages=tiles["num_stages"],
     )
     return out
