@@ -47,7 +47,7 @@ def drafter_dir(tmp_path_factory) -> str:
 
     target = load_model_config(DEFAULT_MODEL_DIR)
     out = tmp_path_factory.mktemp("drafter")
-    return str(random_eagle3_checkpoint(out, target, hidden_size=128, draft_vocab_size=target.vocab_size // 2,
+    return str(random_eagle3_checkpoint(out, target, draft_vocab_size=target.vocab_size // 2,
                                         seed=1, dtype=torch.float32))
 
 
@@ -135,13 +135,15 @@ def test_a_drafter_identical_to_the_target_is_always_accepted():
 
 
 def test_synthetic_acceptance_mode(drafter_dir):
-    """The benchmark mode accepts each draft position with the given probability, whatever the tokens."""
-    for rate, low, high in ((1.0, 0.98, 1.0), (0.5, 0.35, 0.65)):
+    """The benchmark mode accepts each draft position with the given probability, whatever the tokens: the first
+    draft passes with probability p, and each later one with p given the ones before it passed."""
+    for rate, tolerance in ((1.0, 0.0), (0.5, 0.12)):
         llm = LLM(device="cpu", speculative_config={"method": "eagle3", "model": drafter_dir, "adaptive": False,
                                                     "num_speculative_tokens": K, "synthetic_acceptance_rate": rate})
         llm.generate(PROMPTS[:8], greedy(1 + 8 * (K + 1)))
         c = llm.engine.spec.counters
-        assert low <= c.num_accepted_tokens / c.num_draft_tokens <= high
+        first, second = c.accepted_per_pos[0] / c.num_drafts, c.accepted_per_pos[1] / c.accepted_per_pos[0]
+        assert abs(first - rate) <= tolerance and abs(second - rate) <= tolerance, c
 
 
 def chi_squared_p_value(a: Counter, b: Counter) -> float:
@@ -170,9 +172,9 @@ def chi_squared_p_value(a: Counter, b: Counter) -> float:
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_sampling_keeps_the_target_distribution(method, drafter_dir):
     """2,000 samples of the first 3 tokens at temperature 1, with and without speculation: each position's token
-    distribution (and the first two tokens jointly) pass a chi-squared homogeneity test at p > 0.001, and the
-    total-variation distance of the first token stays under 0.08 (two 2,000-sample draws of one distribution sit
-    near 0.03 on this model)."""
+    distribution (and the first two tokens jointly) pass a chi-squared homogeneity test at p > 0.001, and each
+    position's total-variation distance over its 20 commonest tokens plus the rest stays under 0.08 (two
+    2,000-sample draws of one distribution sit at 0.025-0.04 on this model)."""
     prompt = "red green blue red green blue red green"   # repetitive: the n-gram proposer drafts at every step
     n = 2000
     params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
@@ -188,6 +190,15 @@ def test_sampling_keeps_the_target_distribution(method, drafter_dir):
         assert chi_squared_p_value(a, b) > 1e-3, f"position {pos}"
     joint_p = chi_squared_p_value(Counter(tuple(t[:2]) for t in plain), Counter(tuple(t[:2]) for t in spec))
     assert joint_p > 1e-3
-    a, b = Counter(t[0] for t in plain), Counter(t[0] for t in spec)
-    tv = 0.5 * sum(abs(a[k] / n - b[k] / n) for k in set(a) | set(b))
-    assert tv < 0.08
+    for pos in range(3):
+        assert bucketed_tv(Counter(t[pos] for t in plain), Counter(t[pos] for t in spec)) < 0.08, f"position {pos}"
+
+
+def bucketed_tv(a: Counter, b: Counter, top: int = 20) -> float:
+    """Total variation over the `top` most frequent tokens and one bucket for the rest (this model spreads its
+    temperature-1 mass over hundreds of tokens, where a per-token TV of 2,000 samples is mostly noise)."""
+    na, nb = sum(a.values()), sum(b.values())
+    keys = [k for k, _ in (a + b).most_common(top)]
+    fa = [a[k] / na for k in keys] + [1 - sum(a[k] for k in keys) / na]
+    fb = [b[k] / nb for k in keys] + [1 - sum(b[k] for k in keys) / nb]
+    return 0.5 * sum(abs(x - y) for x, y in zip(fa, fb))

@@ -372,4 +372,12 @@ class Engine:
             num_total_blocks=self.pool.num_blocks, num_preemptions=self.scheduler.num_preemptions,
             prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
             prefix_cache_queries=pc.query_tokens, prefix_cache_hits=pc.hit_tokens,
+            **self._spec_stats(),
         )
+
+    def _spec_stats(self) -> dict:
+        if self.spec is None:
+            return {}
+        c = self.spec.counters
+        return dict(spec_num_drafts=c.num_drafts, spec_num_draft_tokens=c.num_draft_tokens,
+                    spec_num_accepted_tokens=c.num_accepted_tokens, spec_accepted_per_pos=tuple(c.accepted_per_pos))

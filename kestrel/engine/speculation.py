@@ -30,8 +30,9 @@ from kestrel.forward.batch import ForwardOutput, SequenceChunk
 from kestrel.forward.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
 from kestrel.speculative.config import SpeculativeConfig
-from kestrel.speculative.proposer import ComputedRows, NgramProposer, Proposer
-from kestrel.speculative.verify import verify_chain
+from kestrel.speculative.ngram import NgramProposer
+from kestrel.speculative.proposer import ComputedRows, Proposer
+from kestrel.speculative.verify import expand_sampling, verify_chain
 
 logger = logging.getLogger("kestrel.speculative")
 
@@ -124,16 +125,16 @@ class SpeculativeDecoding:
         if graphs is not None and 0 < width and len(rows) <= graphs.max_bs \
                 and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
             width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
-        chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d + [0] * (width - len(d)),
-                                seq.num_computed_tokens, seq.block_ids, seq.num_preemptions, True, all_logits=True)
-                  if width else
-                  SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]], seq.num_computed_tokens, seq.block_ids,
-                                seq.num_preemptions)
-                  for seq, d in zip(seqs, drafts)]
+            padded = [d + [0] * (width - len(d)) for d in drafts]
+        else:   # the eager road takes chunks of any length: no padding
+            padded = drafts
+        chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d, seq.num_computed_tokens, seq.block_ids,
+                                seq.num_preemptions, True, all_logits=bool(width))
+                  for seq, d in zip(seqs, padded)]
         self._lap("propose", started)
         output = eng.runner.execute(chunks)
         q = width + 1
-        logits = output.logits   # rows seq * q + j: every chunk has q tokens
+        offsets, logits = _uniform_rows(output.logits, [len(c.tokens) for c in chunks], q)   # row b * q + j
         self._mask_stops_before_min_tokens(seqs, logits, q)
         params = [seq.params for seq in seqs]
         max_logprobs = max((p.logprobs or 0) for p in params)
@@ -185,7 +186,7 @@ class SpeculativeDecoding:
                 eng.scheduler.finish(seq, reason)
                 self.forget(seq.seq_id)
             else:
-                computed.append(self._computed_rows(seq, start, kept, b * q))
+                computed.append(self._computed_rows(seq, start, kept, offsets[b]))
             updates.append(eng._update(seq, new[:kept], lp))
             if reason is not None:
                 eng._forget_if_done(seq.request_id)
@@ -212,7 +213,7 @@ class SpeculativeDecoding:
                           ) -> tuple[list[int], list[list[int]]]:
         """The benchmark mode: each draft position passes with the configured probability, whatever its token;
         the token after the accepted run is the target's."""
-        target = sample(logits, _repeat_rows(sampling, q)).view(len(drafts), q).tolist()
+        target = sample(logits, expand_sampling(sampling, q)).view(len(drafts), q).tolist()
         passes = (torch.rand(len(drafts), max(q - 1, 1), generator=self._synthetic_rng) < self.synthetic_rate)
         accepted, out = [], []
         for b, d in enumerate(drafts):
@@ -269,10 +270,16 @@ class SpeculativeDecoding:
         self.proposer.forget(seq_id)
 
 
-def _repeat_rows(sampling, q: int):
-    """A SamplingBatch with each row repeated q times (a verify step's q positions of one sequence)."""
-    from kestrel.forward.sampler import SamplingBatch
-    rep = lambda t: t.repeat_interleave(q)   # noqa: E731
-    return SamplingBatch(rep(sampling.temperature), rep(sampling.top_k), rep(sampling.top_p), rep(sampling.min_p),
-                         [g for g in sampling.generators for _ in range(q)], sampling.all_greedy,
-                         sampling.needs_top_k, sampling.needs_top_p, sampling.needs_min_p, sampling.max_logprobs)
+
+def _uniform_rows(logits: torch.Tensor, lengths: list[int], q: int) -> tuple[list[int], torch.Tensor]:
+    """A step's logits rows (every token of each chunk, chunk after chunk) laid out as q rows a sequence: a chunk
+    shorter than q repeats its last row (those positions hold no draft and are never read). Also returns where
+    each chunk's rows start (its hidden-state rows start there too)."""
+    offsets, at = [], 0
+    for n in lengths:
+        offsets.append(at)
+        at += n
+    if all(n == q for n in lengths):
+        return offsets, logits
+    index = [o + min(j, n - 1) for o, n in zip(offsets, lengths) for j in range(q)]
+    return offsets, logits.index_select(0, torch.tensor(index, device=logits.device))

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from kestrel.speculative.proposer import DraftSource, Proposer
+
 SEARCH_WINDOW = 8192   # tokens searched per sequence; ~0.1 ms of numpy at max_n = 4
 
 
@@ -45,13 +47,17 @@ def propose_ngram(tokens: np.ndarray, k: int, min_n: int, max_n: int, window: in
     return t[end + 1: end + 1 + k].copy()
 
 
-class NgramProposer:
-    """Drafts for a batch of sequences by prompt lookup (one numpy search per sequence)."""
+class NgramProposer(Proposer):
+    """Drafts by prompt lookup (one numpy search per sequence)."""
 
     def __init__(self, min_n: int, max_n: int, window: int = SEARCH_WINDOW) -> None:
         self.min_n = min_n
         self.max_n = max_n
         self.window = window
+
+    def drafts(self, seq: DraftSource, k: int) -> list[int]:
+        return propose_ngram(np.asarray(seq.token_ids(), dtype=np.int64), k, self.min_n, self.max_n,
+                             self.window).tolist()
 
     def propose(self, token_lists: list[np.ndarray | list[int]], ks: list[int]) -> list[list[int]]:
         """Each sequence's tokens and how many drafts it may take -> its drafts (possibly fewer, or none)."""

@@ -1,7 +1,7 @@
 """Proposers: where draft tokens come from. The engine asks each sequence's drafts before a verify step and
 tells the proposer what every target step computed, so a model-based drafter can follow along.
 
-    NgramProposer   prompt lookup: the tokens that followed the latest earlier occurrence of the context's tail
+    NgramProposer   (speculative/ngram.py) prompt lookup: the tokens that followed the latest earlier occurrence of the context's tail
     Eagle3Proposer  (speculative/eagle3_proposer.py) a one-layer drafter reading the target's hidden states
 """
 from __future__ import annotations
@@ -10,10 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-import numpy as np
-
 from kestrel.forward.batch import ForwardOutput
-from kestrel.speculative.ngram import propose_ngram
 
 
 class DraftSource(Protocol):
@@ -53,11 +50,3 @@ class Proposer(ABC):
 
     def forget(self, seq_id: int) -> None:
         """The sequence finished."""
-
-
-class NgramProposer(Proposer):
-    def __init__(self, min_n: int, max_n: int) -> None:
-        self.min_n, self.max_n = min_n, max_n
-
-    def drafts(self, seq: DraftSource, k: int) -> list[int]:
-        return propose_ngram(np.asarray(seq.token_ids(), dtype=np.int64), k, self.min_n, self.max_n).tolist()
