@@ -124,10 +124,7 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int) -> dict:
     out["step_split_ms_L3"]["steps"] = steps
     sd.timing = None
     out["policy_step_times_ms"] = {f"{b}x{d}": round(1000 * t, 3) for (b, d), t in sd.policy.step_time.items()}
-    del engine, sd
-    gc.collect()
-    torch.cuda.empty_cache()
-    return out
+    return out   # the engine goes with this frame
 
 
 def bench_serve(target: Path, drafter: Path, k: int, output_len: int, raw: Path) -> dict:
@@ -197,11 +194,15 @@ def summary_table(r: dict) -> str:
     if serve:
         def tps(x: dict) -> str:
             try:
-                return f"{x['runs'][0]['output_throughput']:.1f}"
+                return f"{x['runs'][0]['summary']['output_throughput']:.1f}"
             except (KeyError, IndexError, TypeError):
                 return str(x.get("error", "?"))[-300:]
-        lines.append(f"through kestrel serve, one stream: none {tps(serve['plain'])} tok/s, "
+        lines.append(f"through kestrel serve, one stream (non-streamed): none {tps(serve['plain'])} tok/s, "
                      f"K-chain L=3 {tps(serve['eagle3_L3'])} tok/s")
+        try:
+            lines.append(f"  server's acceptance: {serve['eagle3_L3']['runs'][0]['spec_decode']}")
+        except (KeyError, IndexError, TypeError):
+            pass
     return "\n".join(lines)
 
 
