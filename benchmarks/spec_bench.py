@@ -143,7 +143,9 @@ def bench_serve(target: Path, drafter: Path, k: int, output_len: int, raw: Path)
                "--ready-timeout", "300", "--stall-timeout", "60", "--then", bench, "--", *serve]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
         if proc.returncode != 0 or not result.exists():
-            out[label] = {"error": (proc.stdout + proc.stderr)[-1500:]}
+            logs = sorted(Path("logs").glob(f"spec-{label}-*.log"))
+            server_log = logs[-1].read_text()[-2000:] if logs else ""
+            out[label] = {"error": (proc.stdout + proc.stderr)[-800:] + "\nserver log: " + server_log}
             continue
         out[label] = json.loads(result.read_text())
     return out
@@ -156,6 +158,7 @@ def main() -> int:
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--serve-only", action="store_true", help="skip the offline runs")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -164,9 +167,12 @@ def main() -> int:
     target, drafter = checkpoints(workdir, args.shape)
     results = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "k": args.k,
                "date": time.strftime("%Y-%m-%d"), "output_len": args.output_len}
-    results["offline"] = bench_offline(target, drafter, args.k, args.output_len)
-    Path(args.out).write_text(json.dumps(results, indent=1))
-    if args.serve:
+    if not args.serve_only:
+        results["offline"] = bench_offline(target, drafter, args.k, args.output_len)
+        Path(args.out).write_text(json.dumps(results, indent=1))
+    gc.collect()   # the offline engines hold most of the GPU: the servers below need it
+    torch.cuda.empty_cache()
+    if args.serve or args.serve_only:
         results["serve"] = bench_serve(target, drafter, args.k, args.output_len, Path(args.out).parent)
         Path(args.out).write_text(json.dumps(results, indent=1))
     print(summary_table(results))
@@ -174,6 +180,12 @@ def main() -> int:
 
 
 def summary_table(r: dict) -> str:
+    if "offline" not in r:
+        return _serve_lines(r)
+    return _offline_lines(r) + "\n" + _serve_lines(r)
+
+
+def _offline_lines(r: dict) -> str:
     off = r["offline"]
     base = off["plain"]["bs1"]["decode_tok_s"]
     lines = [f"speculative decoding · {r['gpu']} · {r['shape']} · K={r['k']} chain · {r['date']}", "",
@@ -190,6 +202,11 @@ def summary_table(r: dict) -> str:
         lines.append(f"| adaptive L={row['target_length']} | {row['output_tok_s']:.0f} | "
                      f"{row['output_tok_s'] / c_base:.2f}x |")
     lines += ["", f"step split at L=3 (ms): {off['step_split_ms_L3']}"]
+    return "\n".join(lines)
+
+
+def _serve_lines(r: dict) -> str:
+    lines = []
     serve = r.get("serve")
     if serve:
         def tps(x: dict) -> str:
@@ -197,7 +214,7 @@ def summary_table(r: dict) -> str:
                 return f"{x['runs'][0]['summary']['output_throughput']:.1f}"
             except (KeyError, IndexError, TypeError):
                 return str(x.get("error", "?"))[-300:]
-        lines.append(f"through kestrel serve, one stream (non-streamed): none {tps(serve['plain'])} tok/s, "
+        lines.append(f"through kestrel serve, one stream: none {tps(serve['plain'])} tok/s, "
                      f"K-chain L=3 {tps(serve['eagle3_L3'])} tok/s")
         try:
             lines.append(f"  server's acceptance: {serve['eagle3_L3']['runs'][0]['spec_decode']}")
