@@ -26,6 +26,7 @@ import torch
 from kestrel.engine.messages import SampleUpdate, TokenLogprob
 from kestrel.engine.request import Sequence
 from kestrel.engine.scheduler import ScheduledSeq
+from kestrel.errors import KestrelError
 from kestrel.forward.batch import ForwardOutput, SequenceChunk
 from kestrel.forward.sampler import make_sampling_batch, sample, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
@@ -62,6 +63,9 @@ class SpeculativeDecoding:
     step() for a step of decodes, and observe_plain_step() after every other step."""
 
     def __init__(self, engine, config: SpeculativeConfig, proposer: Proposer) -> None:
+        if config.topk > 1:
+            raise KestrelError(f"speculative topk {config.topk} asks for tree drafting, which this version does not "
+                               "run yet: use topk 1 (a chain of num_speculative_tokens drafts)")
         self.engine = engine
         self.config = config
         self.max_depth = config.num_speculative_tokens
