@@ -104,8 +104,14 @@ class SpeculativeDecoding:
         seqs = sched.running
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):   # a prompt is still being prefilled
             return False
+        graphs = self.engine.runner.verify_graphs
+        if graphs is not None and len(seqs) > graphs.max_bs:   # past the verify graphs verification is
+            return False                                       # compute-bound: it never pays, not worth a try
         self._depth, per_seq = self.policy.choose([s.seq_id for s in seqs], [self._room(s) for s in seqs])
         self._per_seq = {s.seq_id: k for s, k in zip(seqs, per_seq)}
+        if self._depth == 0:   # a plain step: each sequence sat it out (so a request that stopped drafting is probed)
+            for s in seqs:
+                self.policy.record_acceptance(s.seq_id, 0, 0)
         return self._depth > 0
 
     def record_plain_step(self, batch_size: int, seconds: float) -> None:

@@ -7,8 +7,9 @@ Speculation pays when the tokens a verify step yields outweigh what the step cos
                                                      given the ones before it were)
 
 T(batch, k) is the measured wall time of a step of that batch-size bucket and depth (k = 0: a plain decode
-step), an exponential moving average; a depth never measured in a bucket is tried once, when its estimate
-(a prior of +10% a draft) says it could beat the best measured depth. The depth with the highest goodput wins,
+step), an exponential moving average; a depth never measured in a bucket is estimated between the measured
+depths around it (past the deepest, +10% of a plain step a draft) and tried once when that estimate says it
+could beat the best measured depth. The depth with the highest goodput wins,
 0 included, so at large batches (verification is compute-bound) and for requests that keep rejecting drafts the
 engine decodes plainly. A sequence whose acceptance has fallen below `min_acceptance` stops drafting and is probed
 again every `probe_every` steps, so it comes back when its text turns predictable.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 PRIOR_COST_PER_DRAFT = 0.10   # T(b, k) / T(b, 0) - 1 per draft before anything is measured
 EMA = 0.2                     # weight of the newest measurement
+PROBE_ACCEPTANCE = 0.7        # assumed for a request never measured, or probed again after it stopped drafting
 
 
 def bucket_of(batch_size: int) -> int:
@@ -39,7 +41,7 @@ class _SeqAcceptance:
 
     @property
     def rate(self) -> float:
-        return self.accepted / self.tried if self.tried else 0.7   # optimistic start: a new request drafts
+        return self.accepted / self.tried if self.tried else PROBE_ACCEPTANCE   # a new request drafts
 
 
 @dataclass
@@ -60,8 +62,10 @@ class DepthPolicy:
         rates = []
         for seq_id, lim in zip(seq_ids, limits):
             s = self.seqs.setdefault(seq_id, _SeqAcceptance())
-            drafting = s.rate >= self.min_acceptance or s.steps_off >= self.probe_every
-            rates.append(s.rate if drafting and lim > 0 else None)
+            rate = s.rate
+            if rate < self.min_acceptance and s.steps_off >= self.probe_every:
+                rate = PROBE_ACCEPTANCE   # a probe: draft as a new request would, to measure it again
+            rates.append(rate if rate >= self.min_acceptance and lim > 0 else None)
         if all(r is None for r in rates):
             return 0, [0] * len(seq_ids)
         depth = self._best_depth(len(seq_ids), [r for r in rates if r is not None])
@@ -75,11 +79,25 @@ class DepthPolicy:
         others = batch_size - len(rates)   # sequences in the step that do not draft: one token each
         best, best_goodput = 0, None
         for k in range(self.max_depth + 1):
-            estimate = self.step_time.get((b, k)) or base * (1 + PRIOR_COST_PER_DRAFT * k)
+            estimate = self._estimate(b, k, base)
             goodput = (others + sum(expected_tokens(r, k) for r in rates)) / estimate
             if best_goodput is None or goodput > best_goodput:
                 best, best_goodput = k, goodput
         return best
+
+    def _estimate(self, bucket: int, k: int, base: float) -> float:
+        """T(bucket, k): measured, else interpolated between the nearest measured depths around k (a verify step
+        costs a fixed drafter part plus a part that grows with k, so a line between measured depths is fair),
+        else extrapolated from the deepest measured one with the prior slope."""
+        measured = self.step_time.get((bucket, k))
+        if measured is not None:
+            return measured
+        known = sorted((d, t) for (b, d), t in self.step_time.items() if b == bucket)
+        below = max((x for x in known if x[0] < k), default=(0, base))
+        above = min((x for x in known if x[0] > k), default=None)
+        if above is None:
+            return below[1] + base * PRIOR_COST_PER_DRAFT * (k - below[0])
+        return below[1] + (above[1] - below[1]) * (k - below[0]) / (above[0] - below[0])
 
     # ---- measurements --------------------------------------------------------------------------------------
     def record_step(self, batch_size: int, depth: int, seconds: float) -> None:
