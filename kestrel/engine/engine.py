@@ -119,6 +119,8 @@ class Engine:
         continuing = not speculate and self._inflight is not None and self._can_continue_overlap(self._inflight)
         if self._inflight is not None and not continuing:
             updates += self._resolve_inflight()
+            # a verify step's time starts here: waiting for the overlapped step before it is that step's time
+            started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates + self._resolve_inflight()
