@@ -12,7 +12,8 @@ depths around it (past the deepest, +10% of a plain step a draft) and tried once
 could beat the best measured depth. The depth with the highest goodput wins,
 0 included, so at large batches (verification is compute-bound) and for requests that keep rejecting drafts the
 engine decodes plainly. A sequence whose acceptance has fallen below `min_acceptance` stops drafting and is probed
-again every `probe_every` steps, so it comes back when its text turns predictable.
+again after `probe_every` steps, then after twice as many for each probe that fails (at most MAX_PROBE_GAP), so
+it comes back when its text turns predictable and costs little while it does not.
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from dataclasses import dataclass, field
 
 PRIOR_COST_PER_DRAFT = 0.10   # T(b, k) / T(b, 0) - 1 per draft before anything is measured
 EMA = 0.2                     # weight of the newest measurement
+MAX_PROBE_GAP = 512          # steps: a request that keeps rejecting is probed at least this often
 PROBE_ACCEPTANCE = 0.7        # assumed for a request never measured, or probed again after it stopped drafting
 
 
@@ -38,6 +40,7 @@ class _SeqAcceptance:
     accepted: float = 0.0     # decayed counts of drafts accepted / drafts tried (a rejection ends a run)
     tried: float = 0.0
     steps_off: int = 0        # steps since it last drafted, while off
+    probe_after: int = 0      # steps off before the next probe (0: the policy's probe_every); doubles per failed probe
 
     @property
     def rate(self) -> float:
@@ -63,7 +66,7 @@ class DepthPolicy:
         for seq_id, lim in zip(seq_ids, limits):
             s = self.seqs.setdefault(seq_id, _SeqAcceptance())
             rate = s.rate
-            if rate < self.min_acceptance and s.steps_off >= self.probe_every:
+            if rate < self.min_acceptance and s.steps_off >= (s.probe_after or self.probe_every):
                 rate = PROBE_ACCEPTANCE   # a probe: draft as a new request would, to measure it again
             rates.append(rate if rate >= self.min_acceptance and lim > 0 else None)
         if all(r is None for r in rates):
@@ -112,10 +115,14 @@ class DepthPolicy:
         if drafted == 0:
             s.steps_off += 1
             return
+        was_off = s.rate < self.min_acceptance and s.tried > 0
         s.steps_off = 0
         tried = accepted + (1 if accepted < drafted else 0)
         s.accepted = (1 - EMA) * s.accepted + EMA * accepted
         s.tried = (1 - EMA) * s.tried + EMA * tried
+        if was_off:   # that was a probe: wait twice as long before the next one if it failed, reset if it paid
+            failed = s.rate < self.min_acceptance
+            s.probe_after = min(2 * (s.probe_after or self.probe_every), MAX_PROBE_GAP) if failed else 0
 
     def forget(self, seq_id: int) -> None:
         self.seqs.pop(seq_id, None)
