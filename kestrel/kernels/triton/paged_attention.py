@@ -104,8 +104,20 @@ def _attend_kv(
     scale_log2,                  # row r sees keys at <= row_pos[r]
     BLOCK_N: tl.constexpr, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One step of the online softmax over a loaded K/V tile."""
+    """One step of the online softmax over a loaded K/V tile, causal."""
     pos = n0 + tl.arange(0, BLOCK_N)
+    visible = (pos[None, :] <= row_pos[:, None]) & (pos[None, :] < kv_end)
+    return _softmax_step(q, m_i, l_i, acc, k, v, visible, scale_log2, DOT_FP32, DOT_PRECISION)
+
+
+@triton.jit
+def _softmax_step(
+    q, m_i, l_i, acc,            # q [R, BLOCK_D]; running max, sum [R]; acc [R, BLOCK_D] fp32
+    k, v, visible,               # a loaded K/V tile and which of its keys each row sees [R, BLOCK_N]
+    scale_log2, DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """The online-softmax update for one tile; callers guarantee every row sees a key in its first tile, so the
+    running max is finite from then on."""
     if DOT_FP32:
         k = k.to(tl.float32)
         v = v.to(tl.float32)
@@ -113,9 +125,7 @@ def _attend_kv(
         k = k.to(q.dtype)
         v = v.to(q.dtype)
     scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2    # [R, BLOCK_N], log2 units
-    visible = (pos[None, :] <= row_pos[:, None]) & (pos[None, :] < kv_end)
     scores = tl.where(visible, scores, float("-inf"))
-    # Callers guarantee every row sees at least one key in its first tile, so m_new is finite from then on.
     m_new = tl.maximum(m_i, tl.max(scores, 1))
     p = tl.exp2(scores - m_new[:, None])
     alpha = tl.exp2(m_i - m_new)
@@ -155,22 +165,8 @@ def _attend_tree_tile(
     bits = tl.load(tree_rows[:, None] + (pos - step_start)[None, :],
                    mask=row_mask[:, None] & (pos < kv_end)[None, :], other=0)
     visible = (bits != 0) | (row_mask[:, None] == 0)   # padded rows see everything: finite, never stored
-    if DOT_FP32:
-        k = k.to(tl.float32)
-        v = v.to(tl.float32)
-    else:
-        k = k.to(q.dtype)
-        v = v.to(q.dtype)
-    scores = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2    # [R, BLOCK_N], log2 units
-    scores = tl.where(visible, scores, float("-inf"))
-    # A real row sees a key before the step or the root (the step's first key) before any other step key, so
-    # m_new is finite here.
-    m_new = tl.maximum(m_i, tl.max(scores, 1))
-    p = tl.exp2(scores - m_new[:, None])
-    alpha = tl.exp2(m_i - m_new)
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
-    return m_new, l_i, acc
+    # A real row sees a key before the step or the root (the step's first key) before any other step key.
+    return _softmax_step(q, m_i, l_i, acc, k, v, visible, scale_log2, DOT_FP32, DOT_PRECISION)
 
 
 # ---------------------------------------------------------------------------------------------------------------
