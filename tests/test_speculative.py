@@ -202,3 +202,19 @@ def bucketed_tv(a: Counter, b: Counter, top: int = 20) -> float:
     fa = [a[k] / na for k in keys] + [1 - sum(a[k] for k in keys) / na]
     fb = [b[k] / nb for k in keys] + [1 - sum(b[k] for k in keys) / nb]
     return 0.5 * sum(abs(x - y) for x, y in zip(fa, fb))
+
+
+@pytest.mark.parametrize("method", ["ngram", "eagle3"])
+def test_verify_graph_road_pads_every_row_to_k_drafts(method, drafter_dir, reference):
+    """The GPU's road on the CPU: a verify runner of K + 1 query tokens a sequence (forward/decode_graphs.py, its
+    body run eagerly), so every row is padded to K drafts; the output stays token-identical."""
+    from kestrel.forward.decode_graphs import DecodeGraphs
+
+    llm = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)[method])
+    runner = llm.engine.runner
+    runner.verify_graphs = DecodeGraphs(runner, max_bs=32, max_blocks_per_seq=128, max_rows=256, query_len=K + 1)
+    launches = []
+    original = runner.verify_graphs.launch
+    runner.verify_graphs.launch = lambda chunks: launches.append(len(chunks)) or original(chunks)
+    check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
+    assert launches, "no verify step took the graph road"
