@@ -114,15 +114,13 @@ class Engine:
     @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
+        started = time.perf_counter()
         speculate = self.spec is not None and self.spec.wants_step()
         continuing = not speculate and self._inflight is not None and self._can_continue_overlap(self._inflight)
         if self._inflight is not None and not continuing:
             updates += self._resolve_inflight()
-        # A step's cost is the time from its start to the next one's: host work between steps included, and
-        # waiting for an overlapped step belongs to that step (so this comes after the read-back above).
-        started = time.perf_counter()
-        if self.spec is not None:
-            self.spec.step_started(started)
+            # a verify step's time starts here: waiting for the overlapped step before it is that step's time
+            started = time.perf_counter()
         plan = self.scheduler.schedule()
         if not plan.scheduled:
             return updates + self._resolve_inflight()
@@ -134,7 +132,7 @@ class Engine:
         if graph_decode and self._overlap_enabled() \
                 and (continuing or all(self._overlap_ok(s.seq) for s in plan.scheduled)):
             updates += self._launch_overlapped(plan.scheduled)
-            self._timed_plain_step(len(plan.scheduled))
+            self._record_plain_step(len(plan.scheduled), started)
             return updates
         if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
             updates += self._resolve_inflight()
@@ -148,14 +146,14 @@ class Engine:
             updates += self._sample_and_update(sampling, output.logits, output.tokens)
         if self.spec is not None:
             if decode:
-                self._timed_plain_step(len(plan.scheduled))
+                self._record_plain_step(len(plan.scheduled), started)
             else:
                 self.spec.observe_plain_step(plan.scheduled, output)
         return updates
 
-    def _timed_plain_step(self, batch_size: int) -> None:
+    def _record_plain_step(self, batch_size: int, started: float) -> None:
         if self.spec is not None:
-            self.spec.timed_step = (batch_size, 0)
+            self.spec.record_plain_step(batch_size, time.perf_counter() - started)
 
     @staticmethod
     def _chunks(scheduled: list[ScheduledSeq], previous: InflightDecode | None = None) -> list[SequenceChunk]:

@@ -76,10 +76,6 @@ class SpeculativeDecoding:
         self._synthetic_rng = torch.Generator().manual_seed(engine.config.seed)
         self._per_seq: dict[int, int] = {}
         self._depth = 0
-        # (batch size, depth) of the running step when the policy learns from its time (plain decode and verify
-        # steps); its time is taken when the next step starts (step_started)
-        self.timed_step: tuple[int, int] | None = None
-        self._step_start = 0.0
         # benchmarks set a dict here to get each verify step's time split (synchronized: slower, so only then)
         self.timing: dict[str, float] | None = None
 
@@ -118,11 +114,8 @@ class SpeculativeDecoding:
                 self.policy.record_acceptance(s.seq_id, 0, 0)
         return self._depth > 0
 
-    def step_started(self, now: float) -> None:
-        """A step starts: the step before it, if the policy learns from it, took until now."""
-        if self.timed_step is not None:
-            self.policy.record_step(*self.timed_step, now - self._step_start)
-        self.timed_step, self._step_start = None, now
+    def record_plain_step(self, batch_size: int, seconds: float) -> None:
+        self.policy.record_step(batch_size, 0, seconds)
 
     # ---- the verify step -------------------------------------------------------------------------------------
     def step(self, rows: list[ScheduledSeq], started: float) -> list[SampleUpdate]:
@@ -211,7 +204,7 @@ class SpeculativeDecoding:
         self.proposer.observe(computed, output)
         self._lap("draft")
         if any(num_drafts):   # a step of no drafts (the drafter catching up) is neither plain nor speculative
-            self.timed_step = (len(seqs), width)
+            self.policy.record_step(len(seqs), width, time.perf_counter() - started)
         return updates
 
     def _lap(self, phase: str, since: float | None = None) -> None:

@@ -21,7 +21,6 @@ from dataclasses import dataclass, field
 
 PRIOR_COST_PER_DRAFT = 0.10   # T(b, k) / T(b, 0) - 1 per draft before anything is measured
 EMA = 0.2                     # weight of the newest measurement
-OUTLIER = 4.0                 # a step measured this many times its average is not a step's cost: skipped
 MAX_PROBE_GAP = 512          # steps: a request that keeps rejecting is probed at least this often
 PROBE_ACCEPTANCE = 0.7        # assumed for a request never measured, or probed again after it stopped drafting
 
@@ -107,8 +106,6 @@ class DepthPolicy:
     def record_step(self, batch_size: int, depth: int, seconds: float) -> None:
         key = (bucket_of(batch_size), depth)
         old = self.step_time.get(key)
-        if old is not None and seconds > OUTLIER * old:   # the engine sat idle (a server between requests)
-            return
         self.step_time[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
     def record_acceptance(self, seq_id: int, drafted: int, accepted: int) -> None:
