@@ -307,13 +307,18 @@ class Engine:
         """Forbid EOS / stop tokens for samples still under min_tokens; returns whether anything was masked."""
         masked = False
         for row, seq in enumerate(seqs):
-            p = seq.params
-            if p.min_tokens and seq.num_output_tokens < p.min_tokens:
-                banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-                if banned:
-                    logits[row, banned] = float("-inf")
-                    masked = True
+            banned = self.stop_tokens_under_min_tokens(seq)
+            if banned and seq.num_output_tokens < seq.params.min_tokens:
+                logits[row, banned] = float("-inf")
+                masked = True
         return masked
+
+    def stop_tokens_under_min_tokens(self, seq: Sequence) -> list[int]:
+        """The tokens a sample may not draw while it has fewer than min_tokens outputs (none without min_tokens)."""
+        p = seq.params
+        if not p.min_tokens:
+            return []
+        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 
     def _stop_reason(self, seq: Sequence, token: int, num_out: int | None = None) -> str | None:
         """Why the sequence stops after `token`, its num_out-th output token (default: the last one)."""

@@ -28,12 +28,12 @@ from kestrel.engine.request import Sequence
 from kestrel.engine.scheduler import ScheduledSeq
 from kestrel.errors import KestrelError
 from kestrel.forward.batch import ForwardOutput, SequenceChunk
-from kestrel.forward.sampler import make_sampling_batch, sample, top_logprobs
+from kestrel.forward.sampler import make_sampling_batch, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
 from kestrel.speculative.config import SpeculativeConfig
 from kestrel.speculative.ngram import NgramProposer
 from kestrel.speculative.proposer import ComputedRows, Proposer
-from kestrel.speculative.verify import expand_sampling, verify_chain
+from kestrel.speculative.verify import verify_chain
 
 logger = logging.getLogger("kestrel.speculative")
 
@@ -73,7 +73,6 @@ class SpeculativeDecoding:
         self.policy = DepthPolicy(self.max_depth, config.adaptive)
         self.counters = SpecCounters()
         self.synthetic_rate = config.synthetic_acceptance_rate
-        self._synthetic_rng = torch.Generator().manual_seed(engine.config.seed)
         self._per_seq: dict[int, int] = {}
         self._depth = 0
         # benchmarks set a dict here to get each verify step's time split (synchronized: slower, so only then)
@@ -152,13 +151,11 @@ class SpeculativeDecoding:
                                        [p.top_p for p in params], [p.min_p for p in params],
                                        [seq.generator for seq in seqs], max_logprobs, logits.device)
         num_drafts = [len(d) for d in drafts]
-        if self.synthetic_rate is None:
-            draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
-            accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(seqs), width),
-                                             torch.tensor(num_drafts, device=logits.device), sampling)
-            accepted, out = accepted_t.tolist(), out_t.tolist()
-        else:
-            accepted, out = self._synthetic_verify(logits, drafts, sampling, q)
+        draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
+        accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(seqs), width),
+                                         torch.tensor(num_drafts, device=logits.device), sampling,
+                                         synthetic_acceptance_rate=self.synthetic_rate)
+        accepted, out = accepted_t.tolist(), out_t.tolist()
         self._lap("verify")
         logprob_rows = None
         if max_logprobs:
@@ -219,31 +216,12 @@ class SpeculativeDecoding:
             self.timing["steps"] = self.timing.get("steps", 0) + 1
         self._last_lap = now
 
-    def _synthetic_verify(self, logits: torch.Tensor, drafts: list[list[int]], sampling, q: int
-                          ) -> tuple[list[int], list[list[int]]]:
-        """The benchmark mode: each draft position passes with the configured probability, whatever its token;
-        the token after the accepted run is the target's."""
-        target = sample(logits, expand_sampling(sampling, q)).view(len(drafts), q).tolist()
-        passes = (torch.rand(len(drafts), max(q - 1, 1), generator=self._synthetic_rng) < self.synthetic_rate)
-        accepted, out = [], []
-        for b, d in enumerate(drafts):
-            n = 0
-            while n < len(d) and passes[b, n]:
-                n += 1
-            accepted.append(n)
-            out.append(d[:n] + [target[b][n]])
-        return accepted, out
-
     def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor, q: int) -> None:
         """Row seq * q + j samples output token num_output + j: under min_tokens it may not be a stop token."""
-        eng = self.engine
         for b, seq in enumerate(seqs):
-            p = seq.params
-            if not p.min_tokens:
-                continue
-            banned = list(p.stop_token_ids) + ([] if p.ignore_eos else list(eng.eos_token_ids))
+            banned = self.engine.stop_tokens_under_min_tokens(seq)
             for j in range(q):
-                if banned and seq.num_output_tokens + j < p.min_tokens:
+                if banned and seq.num_output_tokens + j < seq.params.min_tokens:
                     logits[b * q + j, banned] = float("-inf")
 
     # ---- following the target -------------------------------------------------------------------------------
