@@ -218,3 +218,32 @@ def test_verify_graph_road_pads_every_row_to_k_drafts(method, drafter_dir, refer
     runner.verify_graphs.launch = lambda chunks: launches.append(len(chunks)) or original(chunks)
     check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
     assert launches, "no verify step took the graph road"
+
+
+def test_drafter_graph_road_drafts_what_the_eager_drafter_drafts(drafter_dir, reference):
+    """The GPU's drafter road on the CPU (speculative/drafter_graphs.py, its body run eagerly): after every
+    verify-graph step the drafter extends and drafts in one launch over padded rows. Output stays token-identical,
+    and every draft equals the eager drafter's."""
+    from kestrel.forward.decode_graphs import DecodeGraphs
+    from kestrel.speculative.drafter_graphs import DrafterGraphs
+
+    drafted = []
+    for graph_drafter in (False, True):
+        llm = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)["eagle3"])
+        runner = llm.engine.runner
+        runner.verify_graphs = DecodeGraphs(runner, max_bs=32, max_blocks_per_seq=128, max_rows=256,
+                                            query_len=K + 1)
+        proposer = llm.engine.spec.proposer
+        drafts, asked = [], proposer.drafts
+        proposer.drafts = lambda seq, k: drafts.append(asked(seq, k)) or drafts[-1]
+        runs = []
+        if graph_drafter:
+            proposer.graphs = DrafterGraphs(proposer.drafter, type(runner.backend)(), proposer.kv,
+                                            runner.verify_graphs, K)
+            original = proposer.graphs.run
+            proposer.graphs.run = lambda rows, output: runs.append(len(rows)) or original(rows, output)
+        check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
+        assert runs or not graph_drafter, "the drafter never took the graph road"
+        drafted.append(drafts)
+    assert sum(len(d) for d in drafted[0]) > 100
+    assert drafted[0] == drafted[1]

@@ -60,7 +60,8 @@ class Engine:
         self.spec: SpeculativeDecoding | None = None
         if config.speculative is not None:
             proposer = SpeculativeDecoding.build_proposer(config.speculative, self.runner, config.block_size,
-                                                          setup.drafter, setup.drafter_kv)
+                                                          setup.drafter, setup.drafter_kv,
+                                                          setup.drafter_graphs)
             self.spec = SpeculativeDecoding(self, config.speculative, proposer)
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)

@@ -79,11 +79,13 @@ class SpeculativeDecoding:
         self.timing: dict[str, float] | None = None
 
     @staticmethod
-    def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv) -> Proposer:
+    def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv,
+                       drafter_graphs=None) -> Proposer:
         if config.method == "ngram":
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         from kestrel.speculative.eagle3_proposer import Eagle3Proposer
-        return Eagle3Proposer(drafter, runner.backend, drafter_kv, block_size, runner.device)
+        # a backend instance of its own: eager draft steps must not resize the target graphs' decode scratch
+        return Eagle3Proposer(drafter, type(runner.backend)(), drafter_kv, block_size, runner.device, drafter_graphs)
 
     # ---- which steps speculate -------------------------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:

@@ -39,6 +39,7 @@ class RunnerSetup:
     max_model_len: int
     drafter: torch.nn.Module | None = None      # the EAGLE-3 drafter (speculative decoding), on the device
     drafter_kv: torch.Tensor | None = None      # its one-layer KV cache, in the target's blocks
+    drafter_graphs: object | None = None        # DrafterGraphs (speculative/drafter_graphs.py), when captured
 
 
 def resolve_device(name: str) -> torch.device:
@@ -131,16 +132,21 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB)", num_blocks, config.block_size,
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
 
+    drafter_graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:
         from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, config, max_model_len, progress)
         if spec is not None and runner.graphs is not None:
             from kestrel.forward.decode_graphs import capture_verify_graphs
             capture_verify_graphs(runner, config, max_model_len, spec.num_speculative_tokens + 1, progress)
+            if drafter is not None and runner.verify_graphs is not None:
+                from kestrel.speculative.drafter_graphs import capture_drafter_graphs
+                drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
+                                                        spec.num_speculative_tokens, progress)
 
     progress.begin("warming_up")
     warm_up(runner, config.block_size)
-    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len, drafter, drafter_kv)
+    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
 
 
 def select_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:

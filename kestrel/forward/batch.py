@@ -87,6 +87,8 @@ class ForwardOutput:
     logits: torch.Tensor                       # [num_outputs, vocab] float32
     hidden_states: dict[int, torch.Tensor]     # layer -> [T, hidden], for capture_hidden_layers
     tokens: torch.Tensor | None = None         # [num_outputs] int64 argmax on the device (graph roads), or None
+    # (graphs, bucket) when a DecodeGraphs launch made this output: its full-bucket tensors are graphs.outputs[bucket]
+    replayed: tuple[object, int] | None = None
 
 
 def chunks_to_batch(chunks: list[SequenceChunk], block_size: int,

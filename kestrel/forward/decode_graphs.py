@@ -36,6 +36,7 @@ import logging
 import time
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from kestrel.config import EngineConfig
@@ -225,18 +226,30 @@ class DecodeGraphs:
             base, size = L[name]
             h[base + upd_start:base + size] = value
 
-    def _row_for(self, chunk: SequenceChunk, batch: list[SequenceChunk]) -> _RowState:
-        state = self.row_of.get(chunk.seq_id)
-        blocks = chunk.block_ids
-        if state is not None and (state.generation != chunk.generation or state.written > len(blocks)
+    def table_row(self, seq_id: int, blocks: list[int], generation: int, batch: list, updates: list) -> int:
+        """The sequence's persistent row in `tables`, appending to `updates` the (row, col, block) entries its row
+        lacks; `batch`: the step's sequences (objects with a seq_id), whose rows must not be reclaimed."""
+        state = self.row_of.get(seq_id)
+        if state is None or state.written != len(blocks) or state.generation != generation \
+                or blocks[-1] != state.last_block:
+            state = self._row_for(seq_id, blocks, generation, batch)
+            for col in range(state.written, len(blocks)):
+                updates.append((state.row, col, blocks[col]))
+            state.written = len(blocks)
+            state.last_block = blocks[-1]
+        return state.row
+
+    def _row_for(self, seq_id: int, blocks: list[int], generation: int, batch: list) -> _RowState:
+        state = self.row_of.get(seq_id)
+        if state is not None and (state.generation != generation or state.written > len(blocks)
                                   or (state.written and blocks[state.written - 1] != state.last_block)):
             state.written = 0   # blocks were replaced (preemption) or dropped (rollback): rewrite the row
-            state.generation = chunk.generation
+            state.generation = generation
         if state is None:
             if not self.free_rows:
                 self._reclaim_rows({c.seq_id for c in batch})
-            state = _RowState(self.free_rows.pop(), 0, chunk.generation)
-            self.row_of[chunk.seq_id] = state
+            state = _RowState(self.free_rows.pop(), 0, generation)
+            self.row_of[seq_id] = state
         return state
 
     def _reclaim_rows(self, live: set[int]) -> None:
@@ -280,40 +293,47 @@ class DecodeGraphs:
             start = chunk.start
             blocks = chunk.block_ids
             state = row_of.get(chunk.seq_id)
-            if state is None or state.written != len(blocks) or state.generation != chunk.generation \
-                    or blocks[-1] != state.last_block:
-                state = self._row_for(chunk, chunks)
-                for col in range(state.written, len(blocks)):
-                    updates.append((state.row, col, blocks[col]))
-                state.written = len(blocks)
-                state.last_block = blocks[-1]
+            if state is not None and state.written == len(blocks) and state.generation == chunk.generation \
+                    and blocks[-1] == state.last_block:
+                row = state.row   # the common case, inline: this loop is on every step's host path
+            else:
+                row = self.table_row(chunk.seq_id, blocks, chunk.generation, chunks, updates)
             for pos in range(start, start + q):
                 positions.append(pos)
                 slots.append(blocks[pos // block_size] * block_size + pos % block_size)
-            rows.append(state.row)
+            rows.append(row)
             kv_lens.append(start + q)
         for name, values in (("positions", positions), ("slot_mapping", slots), ("rows", rows),
                              ("kv_lens", kv_lens)):
             base = L[name][0]
             h[base:base + len(values)] = values
-        inline = updates[: self.max_updates]
-        if len(updates) > self.max_updates:   # e.g. the first decode after a large prefill: write the rest now
-            rest = torch.tensor(updates[self.max_updates:], dtype=torch.int64).to(self.runner.device)
-            self.tables.index_put_((rest[:, 0], rest[:, 1]), rest[:, 2])
-        for name, col in (("upd_rows", 0), ("upd_cols", 1), ("upd_vals", 2)):
-            base = L[name][0]
-            h[base:base + len(inline)] = [u[col] for u in inline]
-        self._fill_padding(bs, bucket, len(inline))
+        inline = self.pack_updates(updates, h, L, self.max_updates)
+        self._fill_padding(bs, bucket, inline)
         start = self.host_start   # prev_tokens stays: the previous step may still be writing it
         self.dev[start:].copy_(self.host[start:], non_blocking=True)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
             out = self.outputs[bucket]
         else:   # not captured (CPU tests of the persistent-row bookkeeping): run the same body eagerly
-            out = self._graph_body(bucket)
+            out = self.outputs[bucket] = self._graph_body(bucket)
         n = bs * q
         return ForwardOutput(logits=out.logits[:n], tokens=out.tokens[:n],
-                             hidden_states={layer: h[:n] for layer, h in out.hidden_states.items()})
+                             hidden_states={layer: h[:n] for layer, h in out.hidden_states.items()},
+                             replayed=(self, bucket))
+
+    def pack_updates(self, updates: list[tuple[int, int, int]], host: "np.ndarray", layout: dict, max_updates: int
+                     ) -> int:
+        """Put the first max_updates table updates in a packed host buffer's upd_* fields (a graph scatters them)
+        and write any others into `tables` now (e.g. the first decode after a large prefill). Returns how many
+        went into the buffer."""
+        inline = updates[:max_updates]
+        if len(updates) > max_updates:
+            rest = torch.tensor(updates[max_updates:], dtype=torch.int64).to(self.tables.device)
+            self.tables.index_put_((rest[:, 0], rest[:, 1]), rest[:, 2])
+        for name, col in (("upd_rows", 0), ("upd_cols", 1), ("upd_vals", 2)):
+            base = layout[name][0]
+            host[base:base + len(inline)] = [u[col] for u in inline]
+        return len(inline)
 
     def read_back_async(self, tokens: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
         """Queue the copy of the last launch's tokens into this turn's pinned buffer: (host buffer, event recorded

@@ -20,15 +20,17 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardOutput, build_forward_batch
+from kestrel.speculative.drafter_graphs import DrafterGraphs
 from kestrel.speculative.proposer import ComputedRows, DraftSource, Proposer
 
 
 class Eagle3Proposer(Proposer):
     def __init__(self, drafter, backend: AttentionBackend, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device) -> None:
+                 device: torch.device, graphs: DrafterGraphs | None = None) -> None:
         self.drafter = drafter
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
-        self.backend = backend
+        self.backend = backend   # its own instance (see capture_drafter_graphs): never the target's
+        self.graphs = graphs     # after a verify-graph step: extend and drafts in one replay
         self.kv = (kv_cache[0], kv_cache[1])   # [2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = device
@@ -46,6 +48,11 @@ class Eagle3Proposer(Proposer):
     @torch.inference_mode()
     def observe(self, rows: list[ComputedRows], output: ForwardOutput) -> None:
         if not rows:
+            return
+        if self.graphs is not None and self.graphs.can_run(rows, output):
+            for r, tokens in zip(rows, self.graphs.run(rows, output)):
+                if r.draft > 0:
+                    self.pending[r.seq_id] = (r.start + r.count + 1, tokens[:r.draft])
             return
         aux = torch.cat([output.hidden_states[layer] for layer in self.aux_layers], dim=-1)
         index = torch.tensor([r.hidden_offset + i for r in rows for i in range(r.count)], dtype=torch.int64)

@@ -1,0 +1,217 @@
+"""CUDA graphs for the EAGLE-3 drafter after a verify step: its extend and its K - 1 draft steps in one replay.
+
+Eager, the drafter costs a few milliseconds a step on a slow host (dozens of small launches per draft step, each
+tens of microseconds); replayed, it costs one copy in, one replay and one read-back. One graph per verify-graph
+batch bucket, captured into the decode graphs' pool. Graph b reads the hidden states of verify graph b's static
+output directly, so drafter row i is verify row i (a sequence that finished in the verify step is a padding row).
+
+A verify step of sequence i computed positions p .. p + Q - 1 (Q = K + 1) and kept n + 1 of them (count):
+
+    extend      rows p .. p + Q - 1, query tokens = the tokens after each position; rows past count are padding
+                (slot -1: no K/V written; their outputs are never read). The row at p + count - 1 predicts d1.
+    draft j     one row at p + count + j - 1 (j = 1 .. K - 1), token d_j, the previous row's recurrent hidden;
+                predicts d_{j+1}. Its K/V is written where the sequence has blocks (else slot -1: it drafts for
+                nothing a verify step will read).
+
+The packed input buffer (int64, one host-to-device copy a launch):
+
+    | tokens [B*Q] | positions [B*Q] | slots [B*Q] | kv_lens [B] | rows [B] | last [B] | draft_pos [B] |
+    | covered [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+      last: index of the extend row at p + count - 1; draft_pos: p + count; covered: positions with blocks
+      rows: the sequence's block-table row, shared with the verify graphs (their `tables`, their bookkeeping)
+
+Output: drafts [B, K] int64 on the device, read back once.
+"""
+from __future__ import annotations
+
+import logging
+import time
+
+import torch
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.forward.batch import ForwardBatch, ForwardOutput
+from kestrel.forward.decode_graphs import DecodeGraphs
+from kestrel.progress import Progress
+from kestrel.speculative.proposer import ComputedRows
+
+logger = logging.getLogger("kestrel.speculative")
+
+
+def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """The packed input buffer's fields as name -> (offset, length), and its size."""
+    fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots")]
+    fields += [(name, max_bs) for name in ("kv_lens", "rows", "last", "draft_pos", "covered")]
+    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
+    layout, size = {}, 0
+    for name, n in fields:
+        layout[name] = (size, n)
+        size += n
+    return layout, size
+
+
+class DrafterGraphs:
+    def __init__(self, drafter, backend: AttentionBackend, kv: tuple[torch.Tensor, torch.Tensor],
+                 verify: DecodeGraphs, depth: int) -> None:
+        self.drafter = drafter
+        self.backend = backend
+        self.kv = kv
+        self.verify = verify
+        self.q = verify.query_len
+        self.depth = depth
+        self.aux_layers = tuple(drafter.config.aux_layer_ids)
+        self.buckets = verify.buckets
+        self.max_bs = verify.max_bs
+        self.block_size = verify.runner.block_size
+        self.max_updates = 2 * self.max_bs
+        self.layout, size = drafter_layout(self.max_bs, self.q, self.max_updates)
+        device = verify.tables.device
+        pin = device.type == "cuda"
+        self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
+        self.host_np = self.host.numpy()
+        self.dev = torch.zeros(size, dtype=torch.int64, device=device)
+        self.query_start_loc = torch.arange(0, self.max_bs * self.q + 1, self.q, dtype=torch.int64, device=device)
+        self.decode_start_loc = torch.arange(0, self.max_bs + 1, dtype=torch.int64, device=device)
+        self.max_kv_len = verify.max_kv_len
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.outputs: dict[int, torch.Tensor] = {}
+        self.memory_bytes = 0
+        self._fill_padding(0, self.max_bs, 0)
+
+    # ---- the graph body ------------------------------------------------------------------------------------
+    def _view(self, name: str, n: int | None = None) -> torch.Tensor:
+        start, size = self.layout[name]
+        return self.dev[start:start + (size if n is None else n)]
+
+    def _body(self, bs: int) -> torch.Tensor:
+        q, block_size, drafter = self.q, self.block_size, self.drafter
+        n = bs * q
+        tables = self.verify.tables
+        tables.index_put_((self._view("upd_rows"), self._view("upd_cols")), self._view("upd_vals"))
+        block_table = tables.index_select(0, self._view("rows", bs))
+        hidden = self.verify.outputs[bs].hidden_states
+        aux = torch.cat([hidden[layer][:n] for layer in self.aux_layers], dim=-1)
+        last = self._view("last", bs)
+        extend = ForwardBatch(
+            input_ids=self._view("tokens", n), positions=self._view("positions", n),
+            query_start_loc=self.query_start_loc[:bs + 1], kv_lens=self._view("kv_lens", bs),
+            block_table=block_table, slot_mapping=self._view("slots", n), logits_at=last,
+            max_query_len=q, max_kv_len=self.max_kv_len)
+        self.backend.prepare(extend)
+        normed, recurrent = drafter(extend, aux, self.backend, self.kv)
+        token = self._next(normed)
+        state = recurrent.index_select(0, last)
+        drafted = [token]
+        pos, covered = self._view("draft_pos", bs), self._view("covered", bs)
+        max_col = block_table.shape[1] - 1
+        for _ in range(self.depth - 1):
+            col = torch.clamp(pos // block_size, max=max_col)
+            slot = block_table.gather(1, col[:, None]).squeeze(1) * block_size + pos % block_size
+            has_block = pos < covered
+            step = ForwardBatch(
+                input_ids=token, positions=pos, query_start_loc=self.decode_start_loc[:bs + 1],
+                # a row past its blocks attends over what it has: never past its block-table row
+                kv_lens=torch.minimum(pos + 1, covered.clamp(min=1)), block_table=block_table,
+                slot_mapping=torch.where(has_block, slot, -1), logits_at=None, max_query_len=1,
+                max_kv_len=self.max_kv_len)
+            self.backend.prepare(step)
+            normed, state = drafter(step, state, self.backend, self.kv)
+            token = self._next(normed)
+            drafted.append(token)
+            pos = pos + 1
+        return torch.stack(drafted, dim=1)
+
+    def _next(self, normed: torch.Tensor) -> torch.Tensor:
+        """The drafter's greedy token, in the target's vocabulary."""
+        return self.drafter.draft_to_target(self.drafter.compute_logits(normed).argmax(dim=-1))
+
+    @torch.inference_mode()
+    def capture(self, progress: Progress | None = None) -> None:
+        self.dev.copy_(self.host)   # padding everywhere: warm-up and capture write no K/V
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        for i, bs in enumerate(reversed(self.buckets)):
+            for _ in range(2):   # autotuning and lazy allocations happen outside capture
+                self._body(bs)
+            torch.cuda.synchronize()
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.verify.pool):
+                self.outputs[bs] = self._body(bs)
+            self.graphs[bs] = graph
+            if progress:
+                progress.update(i + 1)
+        torch.cuda.synchronize()
+        self.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
+
+    # ---- host side -----------------------------------------------------------------------------------------
+    def can_run(self, rows: list[ComputedRows], output: ForwardOutput) -> bool:
+        """Whether `output` came from a verify-graph launch whose rows these are."""
+        return output.replayed is not None and output.replayed[0] is self.verify \
+            and all(r.count <= self.q and r.hidden_offset % self.q == 0 for r in rows)
+
+    def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
+        h, L, q = self.host_np, self.layout, self.q
+        for name, value in (("tokens", 0), ("positions", 0), ("slots", -1)):
+            base = L[name][0]
+            h[base + start * q:base + stop * q] = value
+        for name, value in (("kv_lens", q), ("rows", self.verify.dummy_row), ("last", 0), ("draft_pos", 0),
+                            ("covered", 0)):
+            base = L[name][0]
+            h[base + start:base + stop] = value
+        for name, value in (("upd_rows", self.verify.dummy_row), ("upd_cols", 0), ("upd_vals", 0)):
+            base, size = L[name]
+            h[base + upd_start:base + size] = value
+
+    @torch.inference_mode()
+    def run(self, rows: list[ComputedRows], output: ForwardOutput) -> list[list[int]]:
+        """Extend and draft after the verify step that made `output`; each row's K drafts (in `rows` order)."""
+        q, block_size, verify = self.q, self.block_size, self.verify
+        bucket = output.replayed[1]
+        h, L = self.host_np, self.layout
+        self._fill_padding(0, bucket, 0)
+        updates: list[tuple[int, int, int]] = []
+        tok_at, pos_at, slot_at = L["tokens"][0], L["positions"][0], L["slots"][0]
+        for r in rows:
+            b = r.hidden_offset // q
+            blocks = r.block_ids
+            generation = verify.row_of[r.seq_id].generation   # the verify launch just wrote its row
+            row = verify.table_row(r.seq_id, blocks, generation, rows, updates)
+            at = b * q
+            h[tok_at + at:tok_at + at + r.count] = r.next_tokens
+            h[pos_at + at:pos_at + at + q] = range(r.start, r.start + q)
+            h[slot_at + at:slot_at + at + r.count] = [
+                blocks[p // block_size] * block_size + p % block_size for p in range(r.start, r.start + r.count)]
+            for name, value in (("kv_lens", r.start + q), ("rows", row), ("last", at + r.count - 1),
+                                ("draft_pos", r.start + r.count), ("covered", len(blocks) * block_size)):
+                h[L[name][0] + b] = value
+        inline = verify.pack_updates(updates, h, L, self.max_updates)
+        self._fill_padding(bucket, bucket, inline)
+        self.dev.copy_(self.host, non_blocking=True)
+        if bucket in self.graphs:
+            self.graphs[bucket].replay()
+            drafts = self.outputs[bucket]
+        else:   # not captured (CPU): the same body, eagerly
+            drafts = self._body(bucket)
+        table = drafts.tolist()   # the one read-back
+        return [table[r.hidden_offset // q] for r in rows]
+
+
+def capture_drafter_graphs(drafter, kv: tuple[torch.Tensor, torch.Tensor], runner, depth: int,
+                           progress: Progress) -> DrafterGraphs | None:
+    """Graphs for the drafter after verify steps, one per verify-graph bucket, in the same pool. A capture failure
+    leaves drafting eager: slower, never wrong."""
+    # Its own backend instance: the drafter's heads may differ from the target's, and a shared backend would
+    # reallocate the decode scratch that the target's graphs point at.
+    backend = type(runner.backend)()
+    graphs = DrafterGraphs(drafter, backend, kv, runner.verify_graphs, depth)
+    backend.init_graph_buffers(graphs.max_bs, runner.verify_graphs.tables.shape[1], runner.device)
+    progress.begin("capturing_cuda_graphs", len(graphs.buckets), "drafter graphs")
+    start = time.monotonic()
+    try:
+        graphs.capture(progress)
+    except Exception:  # noqa: BLE001
+        logger.exception("drafter graph capture failed; drafting eagerly")
+        return None
+    logger.info("captured %d drafter graphs (%d draft tokens, batch sizes %s) in %.1f s, %.2f GiB", len(graphs.buckets),
+                depth, graphs.buckets, time.monotonic() - start, graphs.memory_bytes / 2**30)
+    return graphs
