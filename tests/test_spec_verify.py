@@ -264,3 +264,23 @@ def test_seeded_rows_verify_identically_on_every_run_whatever_the_global_rng():
 
     assert run(7, 0) == run(7, 1)
     assert any(run(7, 0) != run(s, 0) for s in range(100, 105))
+
+
+def test_the_all_greedy_shortcut_decides_as_the_general_rule():
+    """verify_chain skips the [B, V] distributions when every row is greedy; the general rule on the same rows
+    (greedy rows of a batch not marked all-greedy) must give the same acceptances and tokens."""
+    from dataclasses import replace
+
+    k, vocab, rows = 3, 30, 64
+    logits = random_logits(rows * (k + 1), vocab, seed=5)
+    best = logits.argmax(-1).view(rows, k + 1)
+    gen = torch.Generator().manual_seed(0)
+    wrong = torch.randint(0, vocab, (rows, k), generator=gen)
+    drafts = torch.where(torch.rand(rows, k, generator=gen) < 0.6, best[:, :k], wrong)
+    num_drafts = torch.randint(0, k + 1, (rows,), generator=gen)
+    drafts = torch.where(torch.arange(k) < num_drafts[:, None], drafts, -1)
+    greedy = batch(rows, temperature=0.0)
+    fast = verify_chain(logits, drafts, num_drafts, greedy)
+    general = verify_chain(logits, drafts, num_drafts, replace(greedy, all_greedy=False))
+    assert fast[0].tolist() == general[0].tolist() and fast[1].tolist() == general[1].tolist()
+    assert 0 < fast[0].sum().item() < num_drafts.sum().item()

@@ -114,6 +114,12 @@ class Engine:
 
     @torch.inference_mode()
     def step(self) -> list[SampleUpdate]:
+        updates = self._step()
+        if self.spec is not None:
+            self.spec.step_done()
+        return updates
+
+    def _step(self) -> list[SampleUpdate]:
         updates, self._pending = self._pending, []
         started = time.perf_counter()
         speculate = self.spec is not None and self.spec.wants_step()
@@ -133,7 +139,7 @@ class Engine:
         if graph_decode and self._overlap_enabled() \
                 and (continuing or all(self._overlap_ok(s.seq) for s in plan.scheduled)):
             updates += self._launch_overlapped(plan.scheduled)
-            self._record_plain_step(len(plan.scheduled), started)
+            self._record_plain_step(len(plan.scheduled))
             return updates
         if self._inflight is not None:   # defensive: the placeholders must be real tokens before any other step
             updates += self._resolve_inflight()
@@ -147,14 +153,14 @@ class Engine:
             updates += self._sample_and_update(sampling, output.logits, output.tokens)
         if self.spec is not None:
             if decode:
-                self._record_plain_step(len(plan.scheduled), started)
+                self._record_plain_step(len(plan.scheduled))
             else:
                 self.spec.observe_plain_step(plan.scheduled, output)
         return updates
 
-    def _record_plain_step(self, batch_size: int, started: float) -> None:
+    def _record_plain_step(self, batch_size: int) -> None:
         if self.spec is not None:
-            self.spec.record_plain_step(batch_size, time.perf_counter() - started)
+            self.spec.record_plain_step(batch_size)
 
     @staticmethod
     def _chunks(scheduled: list[ScheduledSeq], previous: InflightDecode | None = None) -> list[SequenceChunk]:

@@ -77,6 +77,9 @@ class SpeculativeDecoding:
         self._depth = 0
         # benchmarks set a dict here to get each verify step's time split (synchronized: slower, so only then)
         self.timing: dict[str, float] | None = None
+        self._this_step: tuple[int, int] | None = None   # (batch size, depth) of the step being run, if timed
+        self._last_end = None          # the previous step's end: a CUDA event (GPU) or perf_counter seconds
+        self._periods: list = []       # (begin event, end event, (batch size, depth)) not yet finished
 
     @staticmethod
     def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv,
@@ -115,8 +118,30 @@ class SpeculativeDecoding:
                 self.policy.record_acceptance(s.seq_id, 0, 0)
         return self._depth > 0
 
-    def record_plain_step(self, batch_size: int, seconds: float) -> None:
-        self.policy.record_step(batch_size, 0, seconds)
+    def record_plain_step(self, batch_size: int) -> None:
+        """The engine ran a plain decode step of batch_size sequences (its cost is taken at step_done)."""
+        self._this_step = (batch_size, 0)
+
+    def step_done(self) -> None:
+        """The end of every engine step. A step's cost is the time from the previous step's end to its own, on
+        the GPU's clock where there is one: that counts the host work around the step (scheduling, drafting,
+        output processing), which is what a plain step hides under the overlap schedule and a verify step cannot
+        (its time inside step() alone would flatter plain steps by the host work overlapped with them)."""
+        key, self._this_step = self._this_step, None
+        if self.engine.device.type != "cuda":
+            now = time.perf_counter()
+            if key is not None and self._last_end is not None:
+                self.policy.record_step(key[0], key[1], now - self._last_end)
+            self._last_end = now
+            return
+        end = torch.cuda.Event(enable_timing=True)
+        end.record()
+        if key is not None and self._last_end is not None:
+            self._periods.append((self._last_end, end, key))
+        self._last_end = end
+        while self._periods and self._periods[0][1].query():   # settle the ones the GPU has finished
+            begin, finish, (batch_size, depth) = self._periods.pop(0)
+            self.policy.record_step(batch_size, depth, begin.elapsed_time(finish) / 1e3)
 
     # ---- the verify step -------------------------------------------------------------------------------------
     def step(self, rows: list[ScheduledSeq], started: float) -> list[SampleUpdate]:
@@ -157,7 +182,8 @@ class SpeculativeDecoding:
         accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(seqs), width),
                                          torch.tensor(num_drafts, device=logits.device), sampling,
                                          synthetic_acceptance_rate=self.synthetic_rate)
-        accepted, out = accepted_t.tolist(), out_t.tolist()
+        table = torch.cat([accepted_t[:, None], out_t], dim=1).tolist()   # one read-back
+        accepted, out = [row[0] for row in table], [row[1:] for row in table]
         self._lap("verify")
         logprob_rows = None
         if max_logprobs:
@@ -203,7 +229,7 @@ class SpeculativeDecoding:
         self.proposer.observe(computed, output)
         self._lap("draft")
         if any(num_drafts):   # a step of no drafts (the drafter catching up) is neither plain nor speculative
-            self.policy.record_step(len(seqs), width, time.perf_counter() - started)
+            self._this_step = (len(seqs), width)
         return updates
 
     def _lap(self, phase: str, since: float | None = None) -> None:

@@ -67,9 +67,12 @@ def verify_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: t
     """
     batch, k = draft_tokens.shape
     device = logits.device
+    positions = torch.arange(k, device=device)
+    if sampling.all_greedy and draft_probs is None:   # every p one-hot: the same rule, without [B, V] tensors
+        return _verify_greedy_chain(logits.argmax(dim=-1).view(batch, k + 1), draft_tokens, num_drafts, sampling,
+                                    synthetic_acceptance_rate)
     p = target_probs(logits, expand_sampling(sampling, k + 1)).view(batch, k + 1, -1)
     rows = torch.arange(batch, device=device)
-    positions = torch.arange(k, device=device)
     drafts = draft_tokens.clamp(min=0)
     p_draft = p[:, :k].gather(-1, drafts[..., None]).squeeze(-1)                    # [B, K]
     if sampling.all_greedy and synthetic_acceptance_rate is None:
@@ -101,6 +104,25 @@ def verify_chain(logits: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: t
     tokens = torch.where(positions < num_accepted[:, None], draft_tokens, -1)
     tokens = torch.cat([tokens, torch.full((batch, 1), -1, dtype=tokens.dtype, device=device)], dim=1)
     tokens.scatter_(1, num_accepted[:, None], last[:, None].to(tokens.dtype))
+    return num_accepted, tokens
+
+
+def _verify_greedy_chain(target: torch.Tensor, draft_tokens: torch.Tensor, num_drafts: torch.Tensor,
+                         sampling: SamplingBatch, synthetic_acceptance_rate: float | None
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """verify_chain when every row is greedy and the drafts deterministic: p_j is one-hot at target[:, j], so a
+    draft is accepted iff it is the argmax, and the residual after a rejection is the argmax again."""
+    batch, k = draft_tokens.shape
+    positions = torch.arange(k, device=target.device)
+    if synthetic_acceptance_rate is not None:
+        accepted = _uniforms(sampling, k, target.device) < synthetic_acceptance_rate
+    else:
+        accepted = draft_tokens == target[:, :k]
+    accepted &= positions < num_drafts[:, None]
+    num_accepted = accepted.long().cumprod(dim=-1).sum(dim=-1)
+    tokens = torch.where(positions < num_accepted[:, None], draft_tokens, -1)
+    tokens = torch.cat([tokens, torch.full((batch, 1), -1, dtype=tokens.dtype, device=target.device)], dim=1)
+    tokens.scatter_(1, num_accepted[:, None], target.gather(1, num_accepted[:, None]))
     return num_accepted, tokens
 
 
