@@ -16,6 +16,7 @@ from kestrel.bench.metrics import parse_slo, summarize
 from kestrel.bench.server_info import (environment, first_model, model_root, prefix_cache_stats, scrape_metrics,
                                        server_info, spec_decode_stats)
 from kestrel.bench.tokenizer import BenchTokenizer, load_tokenizer
+from kestrel.config import DEFAULT_MODEL_DIR
 from kestrel.errors import KestrelError
 
 PRESETS = ("single-and-peak", "sweep")
@@ -138,7 +139,9 @@ def run_serve_benchmark(cfg: ServeConfig, on_run: Callable[[dict[str, Any]], Non
     model = cfg.model or first_model(info)
     if not model:
         raise KestrelError(f"--model is needed: {cfg.base_url}/v1/models answered but named no model")
-    tokenizer = load_tokenizer(cfg.tokenizer, (cfg.model, model, model_root(info)))
+    # Kestrel serves its embedded model under the directory's name, not a path: look where Kestrel keeps it.
+    embedded = str(DEFAULT_MODEL_DIR) if model == DEFAULT_MODEL_DIR.name else None
+    tokenizer = load_tokenizer(cfg.tokenizer, (cfg.model, model, model_root(info), embedded))
     if tokenizer is None and cfg.dataset.name in ("random", "prefix-repetition", "shared-prefix") and on_note:
         on_note("no tokenizer (pass --tokenizer DIR, or serve a local checkpoint path): random prompts are common "
                 "words, about one token each, so their lengths are approximate; the report counts the server's "
