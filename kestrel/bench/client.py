@@ -16,6 +16,7 @@ import aiohttp
 
 from kestrel.bench.datasets import BenchRequest
 from kestrel.bench.metrics import reconcile_chunk_tokens, token_gaps
+from kestrel.bench.progress import RunProgress
 from kestrel.bench.tokenizer import BenchTokenizer
 from kestrel.errors import KestrelError
 
@@ -40,9 +41,10 @@ class ApiOptions:
         body: dict[str, Any] = {"model": self.model, "max_tokens": req.output_len, "temperature": 0.0,
                                 "stream": self.stream}
         if self.endpoint == "chat":
+            assert isinstance(req.prompt, str), "chat prompts are text (the datasets build them so)"
             body["messages"] = [{"role": "user", "content": req.prompt}]
         else:
-            body["prompt"] = req.prompt
+            body["prompt"] = req.prompt   # text, or token ids: the server then sees exactly these tokens
         if self.ignore_eos:
             body["ignore_eos"] = True
             body["min_tokens"] = req.output_len
@@ -63,6 +65,7 @@ class RequestRecord:
     e2e: float | None = None
     output_tokens: int = 0
     prompt_tokens: int = 0
+    cached_tokens: int | None = None    # usage.prompt_tokens_details.cached_tokens, when the server reports it
     token_source: str = "chunks"        # usage | tokenizer | chunks | words (see count_tokens)
     chunk_token_source: str | None = None   # streamed: usage (per-chunk usage) | tokenizer | one-per-chunk
     chunk_times: list[float] = field(default_factory=list)
@@ -92,6 +95,7 @@ class _StreamState:
         self.text: list[str] = []
         self.usage_tokens: int | None = None     # last completion_tokens seen (cumulative)
         self.prompt_tokens: int | None = None
+        self.cached_tokens: int | None = None
         self.finish_reason: str | None = None
         self.per_chunk_usage = False
 
@@ -112,12 +116,19 @@ class _StreamState:
             self.usage_tokens = total
         if usage.get("prompt_tokens") is not None:
             self.prompt_tokens = int(usage["prompt_tokens"])
+        self.cached_tokens = _cached_tokens(usage) if usage else self.cached_tokens
         if tokens is None:
             tokens = (max(1, self.tokenizer.count(text)) if self.tokenizer else 1) if text else 0
         self.text.append(text)
         if tokens > 0:
             record.chunk_times.append(now)
             record.chunk_tokens.append(tokens)
+
+
+def _cached_tokens(usage: dict[str, Any]) -> int | None:
+    details = usage.get("prompt_tokens_details") or {}
+    cached = details.get("cached_tokens") if isinstance(details, dict) else None
+    return int(cached) if cached is not None else None
 
 
 def count_tokens(record: RequestRecord, text: str, usage_tokens: int | None,
@@ -155,6 +166,7 @@ async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: Ben
                         break
                     state.add(json.loads(data), now, record)
                 text, usage_tokens, prompt_tokens = "".join(state.text), state.usage_tokens, state.prompt_tokens
+                record.cached_tokens = state.cached_tokens
                 record.finish_reason = state.finish_reason
                 record.chunk_token_source = ("usage" if state.per_chunk_usage else
                                              "tokenizer" if tokenizer else "one-per-chunk")
@@ -169,6 +181,7 @@ async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: Ben
                 record.finish_reason = choices[0].get("finish_reason") if choices else None
                 usage = obj.get("usage") or {}
                 usage_tokens, prompt_tokens = usage.get("completion_tokens"), usage.get("prompt_tokens")
+                record.cached_tokens = _cached_tokens(usage)
         record.e2e = time.perf_counter() - start
         count_tokens(record, text, usage_tokens, tokenizer)
         record.prompt_tokens = int(prompt_tokens) if prompt_tokens is not None else req.prompt_len
@@ -221,29 +234,27 @@ def _arrival_gaps(rate: float, burstiness: float, rng: random.Random) -> Iterato
 async def run_load(api: ApiOptions, requests: Sequence[BenchRequest], concurrency: int | None = None,
                    request_rate: float = float("inf"), burstiness: float = 1.0, duration_s: float | None = None,
                    tokenizer: BenchTokenizer | None = None, seed: int = 0,
-                   progress: bool = True) -> tuple[list[RequestRecord], float]:
+                   progress: bool = True, name: str = "run") -> tuple[list[RequestRecord], float]:
     """Send `requests` (cycled while `duration_s` lasts, when given); return the records and the run duration.
 
     concurrency caps requests in flight; request_rate spaces arrivals (inf: all at once, the cap decides).
     """
-    from tqdm import tqdm
-
     if not requests:
         raise KestrelError("the dataset is empty: expected --num-prompts >= 1")
     assert duration_s is None or concurrency or request_rate != float("inf"), "an unbounded duration run"
     rng = random.Random(seed)
     limit = asyncio.Semaphore(concurrency) if concurrency else None
-    bar = tqdm(total=None if duration_s else len(requests), disable=not progress, unit="req", leave=False)
     records: list[RequestRecord] = []
     async with new_session(api) as session:
-        run_start = time.perf_counter()
+        bar = RunProgress(name, None if duration_s else len(requests), duration_s, enabled=progress)
+        run_start = bar.start
         deadline = run_start + duration_s if duration_s else None
 
         async def one(req: BenchRequest) -> None:
             try:
                 record = await send_request(session, api, req, tokenizer, run_start)
                 records.append(record)
-                bar.update(1)
+                bar.update(record.success)
             finally:
                 if limit:
                     limit.release()

@@ -7,6 +7,7 @@ Definitions (docs/bench.md has the long form):
   ITL   per *token*: a streamed chunk carrying k tokens that arrives g seconds after the previous chunk gives k
         gaps of g/k (the extra tokens of the first chunk give gaps of 0: they came with the first token).
         So sum(ITL) = last chunk - first chunk and mean ITL ~= TPOT whatever the server's chunking.
+  ITL per chunk  vLLM's ITL: the gap between consecutive token-bearing chunks, one sample per chunk.
   Throughput  completed requests, output tokens and (input + output) tokens per second of benchmark duration.
   Goodput     completed requests per second that meet every SLO given (--slo ttft:MS,tpot:MS,e2e:MS).
 """
@@ -117,6 +118,8 @@ def summarize(records: Sequence[dict[str, Any]], duration_s: float,
     in_tokens = sum(r["prompt_tokens"] for r in ok)
     tpots = [t for t in (tpot(r) for r in ok) if t is not None]
     itls = [g for r in ok for g in r["itl"]]
+    chunk_gaps = [b - a for r in ok for a, b in zip(r.get("chunk_times") or [], (r.get("chunk_times") or [])[1:])]
+    cached = [r["cached_tokens"] for r in ok if r.get("cached_tokens") is not None]
     rates = [r["output_tokens"] / r["e2e"] for r in ok if r["e2e"] and r["output_tokens"]]
     ms_per_token = [r["e2e"] / r["output_tokens"] for r in ok if r["output_tokens"]]
     summary: dict[str, Any] = {
@@ -125,12 +128,15 @@ def summarize(records: Sequence[dict[str, Any]], duration_s: float,
         "duration_s": duration_s,
         "total_input_tokens": in_tokens,
         "total_output_tokens": out_tokens,
+        # prompt tokens the server reported as served from its prefix cache (usage.prompt_tokens_details)
+        "total_cached_tokens": sum(cached) if cached else None,
         "request_throughput": len(ok) / duration_s,
         "output_throughput": out_tokens / duration_s,
         "total_token_throughput": (in_tokens + out_tokens) / duration_s,
         "ttft_ms": distribution([r["ttft"] for r in ok if r["ttft"] is not None], 1000.0),
         "tpot_ms": distribution(tpots, 1000.0),
         "itl_ms": distribution(itls, 1000.0),
+        "itl_per_chunk_ms": distribution(chunk_gaps, 1000.0),
         "e2e_ms": distribution([r["e2e"] for r in ok], 1000.0),
         "per_request_tok_s": distribution(rates),          # single-stream speed of each request
         "ms_per_token": distribution(ms_per_token, 1000.0),  # E2E / output tokens, the tuning-report number

@@ -10,9 +10,10 @@ import collections
 import dataclasses
 import datetime
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from kestrel.bench.datasets import DatasetConfig
 from kestrel.bench.metrics import summarize
 from kestrel.bench.serve import RESULT_FORMAT, ServeConfig, plan_runs
 from kestrel.bench.server_info import environment
@@ -25,17 +26,9 @@ class OfflineConfig:
     device: str = "auto"
     preset: str | None = None
     concurrency: tuple[int, ...] = ()
-    dataset: str = "random"
-    dataset_path: str | None = None
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: str | None = None
-    input_len: int = 1024
-    output_len: int | None = None
-    range_ratio: float = 0.0
     num_prompts: int | None = None
-    num_groups: int = 8
-    prompts_per_group: int = 16
-    prefix_len: int = 512
-    suffix_len: int = 64
     seed: int = 0
     label: str | None = None
 
@@ -88,8 +81,10 @@ def run_offline_benchmark(cfg: OfflineConfig) -> dict[str, Any]:
     from kestrel import LLM, SamplingParams
 
     serve_cfg = cfg.as_serve_config()
-    runs = [r for r in plan_runs(serve_cfg, load_tokenizer(cfg.tokenizer)) if not r.name.endswith("-stream")]
     llm = LLM(model=cfg.model, device=cfg.device)
+    # the engine's own checkpoint has the tokenizer: random prompts of exact lengths without --tokenizer
+    tokenizer = load_tokenizer(cfg.tokenizer, (str(llm.config.model_path),))
+    runs = [r for r in plan_runs(serve_cfg, tokenizer) if not r.name.endswith("-stream")]
     results = []
     for spec in runs:
         params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True, min_tokens=r.output_len)

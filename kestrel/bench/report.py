@@ -35,6 +35,10 @@ def _top(key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda run: run["summary"].get(key)
 
 
+def _cache(key: str) -> Callable[[dict[str, Any]], float | None]:
+    return lambda run: (run.get("prefix_cache") or {}).get(key)
+
+
 def _spec(key: str) -> Callable[[dict[str, Any]], float | None]:
     return lambda run: (run.get("spec_decode") or {}).get(key)
 
@@ -58,6 +62,9 @@ METRICS: list[Metric] = [
     ("E2E ms p99", _stat("e2e_ms", "p99"), False),
     ("spec acceptance rate", _spec("acceptance_rate"), True),
     ("spec mean accepted length", _spec("mean_accepted_length"), True),
+    ("input tokens", _top("total_input_tokens"), False),
+    ("output tokens", _top("total_output_tokens"), True),
+    ("prefix cache hit rate", _cache("hit_rate"), True),
     ("failed requests", _top("failed"), False),
 ]
 
@@ -74,6 +81,8 @@ def summary_table(result: dict[str, Any]) -> str:
     """Fixed-width table of one result, one row per run (printed after `bench serve`)."""
     cols = [("run", lambda r: r["name"]), ("conc", lambda r: r["concurrency"] or "-"),
             ("ok/fail", lambda r: f"{r['summary']['completed']}/{r['summary']['failed']}"),
+            ("in tok", _top("total_input_tokens")), ("out tok", _top("total_output_tokens")),
+            ("cache hit", lambda r: _percent(_cache("hit_rate")(r))),
             ("req/s", _top("request_throughput")), ("out tok/s", _top("output_throughput")),
             ("tok/s/req", _stat("per_request_tok_s", "mean")), ("ms/tok", _stat("ms_per_token", "mean")),
             ("TTFT p50", _stat("ttft_ms", "p50")), ("TTFT p99", _stat("ttft_ms", "p99")),
@@ -85,9 +94,14 @@ def summary_table(result: dict[str, Any]) -> str:
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(cols))]
     lines = ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
     lines.insert(1, "  ".join("-" * w for w in widths))
-    lines.append("(times in ms; tok/s/req and ms/tok are per request, E2E based)")
+    lines.append("(times in ms; tok/s/req and ms/tok are per request, E2E based; in/out tok: tokens sent and "
+                 "received, as the server counted them; cache hit: the server's prefix-cache hit rate over the run)")
     lines += [line for run in result["runs"] if (line := spec_decode_line(run))]
     return "\n".join(lines)
+
+
+def _percent(value: float | None) -> str:
+    return "-" if value is None else f"{100 * value:.1f}%"
 
 
 def spec_decode_line(run: dict[str, Any]) -> str | None:
@@ -182,6 +196,16 @@ def plot_comparison(results: Sequence[dict[str, Any]], out_dir: str,
         else:
             plt.close(fig)
     return written
+
+
+def write_report(results: Sequence[dict[str, Any]], out_dir: str, labels: Sequence[str] | None = None) -> list[str]:
+    """DIR/comparison.md and the PNG plots: what `bench compare --output-dir` and `bench serve --output-dir`
+    write. Returns the paths written."""
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    table = out / "comparison.md"
+    table.write_text(compare_markdown(results, labels))
+    return [str(table), *plot_comparison(results, str(out), labels)]
 
 
 def _stream_preference(result: dict[str, Any]) -> bool:

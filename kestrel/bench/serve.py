@@ -5,23 +5,27 @@ import asyncio
 import dataclasses
 import datetime
 import math
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 from kestrel.bench.client import ApiOptions, probe_features, run_load, warmup
-from kestrel.bench.datasets import (BenchRequest, fixed_requests, jsonl_requests, random_requests,
-                                    shared_prefix_requests)
+from kestrel.bench.datasets import (DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, BenchRequest, DatasetConfig,
+                                    build_requests, fixed_requests)
 from kestrel.bench.metrics import parse_slo, summarize
-from kestrel.bench.server_info import environment, first_model, scrape_metrics, server_info, spec_decode_stats
+from kestrel.bench.server_info import (environment, first_model, model_root, prefix_cache_stats, scrape_metrics,
+                                       server_info, spec_decode_stats)
 from kestrel.bench.tokenizer import BenchTokenizer, load_tokenizer
+from kestrel.config import DEFAULT_MODEL_DIR
 from kestrel.errors import KestrelError
 
 PRESETS = ("single-and-peak", "sweep")
-DATASETS = ("random", "jsonl", "shared-prefix", "fixed")
 SWEEP_CONCURRENCY = (1, 8, 32, 128)
 PEAK_CONCURRENCY = 128
+SINGLE_AND_PEAK_INPUT_LEN = 128
 SINGLE_AND_PEAK_OUTPUT_LEN = 256
-RESULT_FORMAT = 1
+SINGLE_REQUESTS = 3
+RESULT_FORMAT = 2   # 2: config.dataset is a DatasetConfig; runs carry prefix_cache
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,17 +34,9 @@ class ServeConfig:
     model: str | None = None
     endpoint: str = "completions"
     preset: str | None = None
-    dataset: str = "random"
-    dataset_path: str | None = None
+    dataset: DatasetConfig = field(default_factory=DatasetConfig)
     tokenizer: str | None = None
-    input_len: int = 1024
-    output_len: int | None = None          # None: 128, or 256 for single-and-peak
-    range_ratio: float = 0.0
     num_prompts: int | None = None         # None: 200, or per preset
-    num_groups: int = 8
-    prompts_per_group: int = 16
-    prefix_len: int = 512
-    suffix_len: int = 64
     concurrency: tuple[int, ...] = ()      # several values: one run each (a sweep)
     request_rate: float = math.inf
     burstiness: float = 1.0
@@ -57,21 +53,15 @@ class ServeConfig:
     def __post_init__(self) -> None:
         if self.preset not in (None, *PRESETS):
             raise KestrelError(f"--preset {self.preset!r} is invalid: expected one of {', '.join(PRESETS)}")
-        if self.dataset not in DATASETS:
-            raise KestrelError(f"--dataset {self.dataset!r} is invalid: expected one of {', '.join(DATASETS)}")
-        if self.dataset == "jsonl" and not self.dataset_path:
-            raise KestrelError("--dataset jsonl needs --dataset-path FILE.jsonl")
         if self.endpoint not in ("completions", "chat"):
             raise KestrelError(f"--endpoint {self.endpoint!r} is invalid: expected completions or chat")
         if any(c < 1 for c in self.concurrency):
-            raise KestrelError(f"--concurrency {self.concurrency} is invalid: expected integers >= 1")
+            raise KestrelError(f"--max-concurrency {self.concurrency} is invalid: expected integers >= 1")
         if self.request_rate <= 0 or self.burstiness <= 0:
             raise KestrelError(f"--request-rate {self.request_rate} / --burstiness {self.burstiness} are invalid: "
                                "expected numbers > 0")
-        for name in ("input_len", "output_len", "num_prompts"):
-            value = getattr(self, name)
-            if value is not None and value < 1:
-                raise KestrelError(f"--{name.replace('_', '-')} {value} is invalid: expected an integer >= 1")
+        if self.num_prompts is not None and self.num_prompts < 1:
+            raise KestrelError(f"--num-prompts {self.num_prompts} is invalid: expected an integer >= 1")
         if self.duration_s is not None and (self.duration_s <= 0 or (not self.concurrency and not self.preset
                                                                      and math.isinf(self.request_rate))):
             raise KestrelError(f"--duration {self.duration_s} is invalid: expected seconds > 0, with --concurrency "
@@ -88,63 +78,74 @@ class RunSpec:
     request_rate: float = math.inf
 
 
-def _dataset(cfg: ServeConfig, num: int, output_len: int, tokenizer: BenchTokenizer | None) -> list[BenchRequest]:
-    if cfg.dataset == "fixed":
-        return fixed_requests(output_len, num)
-    if cfg.dataset == "jsonl":
-        return jsonl_requests(cfg.dataset_path, output_len, tokenizer, num if cfg.num_prompts else None)
-    if cfg.dataset == "shared-prefix":
-        return shared_prefix_requests(cfg.num_groups, cfg.prompts_per_group, cfg.prefix_len, cfg.suffix_len,
-                                      output_len, tokenizer, cfg.seed)
-    return random_requests(num, cfg.input_len, output_len, cfg.range_ratio, tokenizer, cfg.seed)
-
-
 def plan_runs(cfg: ServeConfig, tokenizer: BenchTokenizer | None) -> list[RunSpec]:
+    """The runs of a preset (or of --max-concurrency values). Each run gets prompts of its own (seed + run index):
+    a run repeating the previous run's prompts would find them in the prefix cache and time cache hits."""
+    data = cfg.dataset
+    token_prompts = cfg.endpoint == "completions"
+
+    def requests(index: int, num: int | None, input_len: int, output_len: int) -> list[BenchRequest]:
+        return build_requests(data, num, input_len, output_len, tokenizer, cfg.seed + index, token_prompts)
+
     if cfg.preset == "single-and-peak":
-        # The tuning-report method: 3 fixed prompts one at a time, then PEAK concurrent; non-streamed (the
-        # numbers the report always quoted), then the same streamed for TTFT.
-        output_len = cfg.output_len or SINGLE_AND_PEAK_OUTPUT_LEN
+        # The tuning-report method: a few requests one at a time, then PEAK concurrent; non-streamed (the numbers
+        # the report always quoted), then the same shapes streamed for TTFT. Distinct prompts of stated lengths.
+        input_len = data.input_len or SINGLE_AND_PEAK_INPUT_LEN
+        output_len = data.output_len or SINGLE_AND_PEAK_OUTPUT_LEN
         peak = max(cfg.concurrency) if cfg.concurrency else PEAK_CONCURRENCY
-        single, burst = fixed_requests(output_len), fixed_requests(output_len, cfg.num_prompts or peak)
-        return [RunSpec("single", single, 1, False), RunSpec("peak", burst, peak, False),
-                RunSpec("single-stream", single, 1, True), RunSpec("peak-stream", burst, peak, True)]
-    output_len = cfg.output_len or 128
+        num_peak = cfg.num_prompts or peak
+        shapes = [("single", SINGLE_REQUESTS, 1, False), ("peak", num_peak, peak, False),
+                  ("single-stream", SINGLE_REQUESTS, 1, True), ("peak-stream", num_peak, peak, True)]
+        return [RunSpec(name, requests(i, num, input_len, output_len), conc, stream)
+                for i, (name, num, conc, stream) in enumerate(shapes)]
+    input_len, output_len = data.input_len or DEFAULT_INPUT_LEN, data.output_len or DEFAULT_OUTPUT_LEN
+    num = cfg.num_prompts or data.default_num()
     if cfg.preset == "sweep":
-        runs = []
-        for c in cfg.concurrency or SWEEP_CONCURRENCY:
-            num = cfg.num_prompts or max(16, 4 * c)
-            runs.append(RunSpec(f"c={c}", _dataset(cfg, num, output_len, tokenizer), c, True))
-        return runs
-    requests = _dataset(cfg, cfg.num_prompts or 200, output_len, tokenizer)
+        return [RunSpec(f"c={c}", requests(i, num or max(16, 4 * c), input_len, output_len), c, True)
+                for i, c in enumerate(cfg.concurrency or SWEEP_CONCURRENCY)]
     rate = "" if math.isinf(cfg.request_rate) else f"rate={cfg.request_rate:g}"
     if not cfg.concurrency:
-        return [RunSpec(rate or "all-at-once", requests, None, cfg.stream, cfg.request_rate)]
-    return [RunSpec(",".join(filter(None, [f"c={c}", rate])), requests, c, cfg.stream, cfg.request_rate)
-            for c in cfg.concurrency]
+        return [RunSpec(rate or "all-at-once", requests(0, num, input_len, output_len), None, cfg.stream,
+                        cfg.request_rate)]
+    return [RunSpec(",".join(filter(None, [f"c={c}", rate])), requests(i, num, input_len, output_len), c,
+                    cfg.stream, cfg.request_rate)
+            for i, c in enumerate(cfg.concurrency)]
 
 
 def _run_one(cfg: ServeConfig, api: ApiOptions, spec: RunSpec, tokenizer: BenchTokenizer | None) -> dict[str, Any]:
     api = dataclasses.replace(api, stream=spec.stream)
-    asyncio.run(warmup(api, spec.requests, cfg.warmup_requests, spec.concurrency))
+    # Warm up on the fixed prompts, not on the run's own: a warmed-up prompt would be a prefix-cache hit.
+    warm = fixed_requests(spec.requests[0].output_len, cfg.warmup_requests)
+    asyncio.run(warmup(api, warm, cfg.warmup_requests, spec.concurrency))
     before = scrape_metrics(cfg.base_url)
     records, duration = asyncio.run(run_load(api, spec.requests, spec.concurrency, spec.request_rate,
-                                             cfg.burstiness, cfg.duration_s, tokenizer, cfg.seed, cfg.progress))
+                                             cfg.burstiness, cfg.duration_s, tokenizer, cfg.seed, cfg.progress,
+                                             spec.name))
     after = scrape_metrics(cfg.base_url)
     rows = [r.to_dict() for r in records]
     return {"name": spec.name, "concurrency": spec.concurrency,
             "request_rate": None if math.isinf(spec.request_rate) else spec.request_rate,
             "stream": spec.stream, "num_requests": len(rows),
             "summary": summarize(rows, duration, parse_slo(cfg.slo)),
+            "prefix_cache": prefix_cache_stats(before, after),
             "spec_decode": spec_decode_stats(before, after), "requests": rows}
 
 
-def run_serve_benchmark(cfg: ServeConfig, on_run=None) -> dict[str, Any]:
-    """Run every planned run; `on_run(run_dict)` is called after each (the CLI prints a line)."""
-    tokenizer = load_tokenizer(cfg.tokenizer)
-    info = server_info(cfg.base_url)
+def run_serve_benchmark(cfg: ServeConfig, on_run: Callable[[dict[str, Any]], None] | None = None,
+                        on_note: Callable[[str], None] | None = None) -> dict[str, Any]:
+    """Run every planned run; `on_run(run_dict)` is called after each (the CLI prints a line), `on_note(text)`
+    with what the user should know before the numbers (the CLI prints it to stderr)."""
+    info = server_info(cfg.base_url)   # first: a server that is not there is the error to report
     model = cfg.model or first_model(info)
     if not model:
-        raise KestrelError(f"--model is needed: {cfg.base_url}/v1/models did not name a model")
+        raise KestrelError(f"--model is needed: {cfg.base_url}/v1/models answered but named no model")
+    # Kestrel serves its embedded model under the directory's name, not a path: look where Kestrel keeps it.
+    embedded = str(DEFAULT_MODEL_DIR) if model == DEFAULT_MODEL_DIR.name else None
+    tokenizer = load_tokenizer(cfg.tokenizer, (cfg.model, model, model_root(info), embedded))
+    if tokenizer is None and cfg.dataset.name in ("random", "prefix-repetition", "shared-prefix") and on_note:
+        on_note("no tokenizer (pass --tokenizer DIR, or serve a local checkpoint path): random prompts are common "
+                "words, about one token each, so their lengths are approximate; the report counts the server's "
+                "usage.prompt_tokens")
     runs = plan_runs(cfg, tokenizer)
     api = ApiOptions(cfg.base_url, model, cfg.endpoint, stream=any(r.stream for r in runs),
                      ignore_eos=cfg.ignore_eos, timeout_s=cfg.timeout_s)
@@ -155,6 +156,7 @@ def run_serve_benchmark(cfg: ServeConfig, on_run=None) -> dict[str, Any]:
         if on_run:
             on_run(results[-1])
     config = dataclasses.asdict(cfg) | {"model": model, "concurrency": list(cfg.concurrency),
+                                        "tokenizer": tokenizer.path if tokenizer else None,
                                         "request_rate": None if math.isinf(cfg.request_rate) else cfg.request_rate}
     features = {"ignore_eos_min_tokens": api.ignore_eos, "include_usage": api.include_usage,
                 "continuous_usage_stats": api.continuous_usage}

@@ -1,4 +1,7 @@
-"""What a result file records besides timings: server identity, its /metrics (speculative decoding), the host.
+"""What a result file records besides timings: server identity, its /metrics (prefix cache, speculative
+decoding), the host.
+
+Prefix-cache counters are read before and after a run: hit rate = hit tokens / queried prompt tokens over the run.
 
 Speculative-decoding counters are read before and after a run; the deltas give the acceptance rate (accepted /
 draft tokens), the mean accepted length (1 + accepted / drafts: tokens per verify step per sequence, counting the
@@ -17,6 +20,8 @@ from typing import Any
 
 import httpx
 
+from kestrel.errors import KestrelError
+
 # (drafts, draft tokens, accepted tokens, accepted per position) counter names per server family
 SPEC_COUNTERS = {
     family: (f"{family}:spec_decode_num_drafts_total", f"{family}:spec_decode_num_draft_tokens_total",
@@ -24,6 +29,10 @@ SPEC_COUNTERS = {
              f"{family}:spec_decode_num_accepted_tokens_per_pos_total")
     for family in ("kestrel", "vllm")
 }
+# (queried prompt tokens, prompt tokens found in the cache) per server family: vLLM V1's names, which Kestrel uses
+PREFIX_CACHE_COUNTERS = {family: (f"{family}:prefix_cache_queries_total", f"{family}:prefix_cache_hits_total")
+                         for family in ("kestrel", "vllm")}
+SGLANG_CACHE_HIT_RATE = "sglang:cache_hit_rate"   # a gauge over SGLang's recent window
 # SGLang exports gauges (averages over its recent window), not counters: read them after the run.
 SGLANG_ACCEPT_LENGTH = "sglang:spec_accept_length"
 SGLANG_ACCEPT_RATE = "sglang:spec_accept_rate"
@@ -45,17 +54,40 @@ def _get_json(client: httpx.Client, url: str) -> Any:
 
 
 def server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """/v1/models and /version as the server reports them (None where absent)."""
+    """/v1/models and /version as the server reports them (None where absent).
+
+    Raises KestrelError, one line, when nothing answers at base_url: the first thing a user must know.
+    """
     base = base_url.rstrip("/")
     with httpx.Client(timeout=timeout_s) as client:
+        try:
+            client.get(base + "/v1/models")
+        except httpx.ConnectError as exc:
+            raise KestrelError(f"connection refused to {base} ({exc}): no server is listening there; start one "
+                               "(kestrel serve MODEL, or kestrel launch --then ...) or pass --base-url") from None
+        except httpx.TimeoutException:
+            raise KestrelError(f"no answer from {base} within {timeout_s:g} s: is the server up?") from None
+        except httpx.HTTPError as exc:
+            raise KestrelError(f"cannot reach {base}: {type(exc).__name__}: {exc}") from None
         return {"base_url": base, "models": _get_json(client, base + "/v1/models"),
                 "version": _get_json(client, base + "/version")}
 
 
 def first_model(info: dict[str, Any]) -> str | None:
+    card = _first_card(info)
+    return card.get("id") if card else None
+
+
+def model_root(info: dict[str, Any]) -> str | None:
+    """The served model's `root` (vLLM: the checkpoint it loaded), where a tokenizer may be found."""
+    card = _first_card(info)
+    return card.get("root") if card else None
+
+
+def _first_card(info: dict[str, Any]) -> dict[str, Any] | None:
     models = info.get("models")
-    if isinstance(models, dict) and models.get("data"):
-        return models["data"][0].get("id")
+    if isinstance(models, dict) and models.get("data") and isinstance(models["data"][0], dict):
+        return models["data"][0]
     return None
 
 
@@ -120,6 +152,33 @@ def spec_decode_stats(before: dict[str, float] | None, after: dict[str, float] |
                 "acceptance_rate": after.get(SGLANG_ACCEPT_RATE),
                 "mean_accepted_length": after[SGLANG_ACCEPT_LENGTH],
                 "num_accepted_tokens_per_pos": None, "acceptance_rate_per_pos": None}
+    return None
+
+
+def prefix_cache_stats(before: dict[str, float] | None,
+                       after: dict[str, float] | None) -> dict[str, Any] | None:
+    """Prefix-cache hit rate over one run from /metrics before and after; None when the server exports none.
+
+    `hit_rate` is the run's (hit tokens / queried tokens between the two scrapes); `hit_rate_before` and
+    `hit_rate_after` are the server's cumulative rates at each scrape (everything it served since it started).
+    """
+    if after is None:
+        return None
+    before = before or {}
+    for source, (queries_n, hits_n) in PREFIX_CACHE_COUNTERS.items():
+        if queries_n in after:
+            queries = after[queries_n] - before.get(queries_n, 0.0)
+            hits = after.get(hits_n, 0.0) - before.get(hits_n, 0.0)
+
+            def cumulative(values: dict[str, float]) -> float | None:
+                return values.get(hits_n, 0.0) / values[queries_n] if values.get(queries_n) else None
+
+            return {"source": source, "queries": queries, "hits": hits,
+                    "hit_rate": hits / queries if queries > 0 else None,
+                    "hit_rate_before": cumulative(before), "hit_rate_after": cumulative(after)}
+    if SGLANG_CACHE_HIT_RATE in after:
+        return {"source": "sglang", "queries": None, "hits": None, "hit_rate": after[SGLANG_CACHE_HIT_RATE],
+                "hit_rate_before": before.get(SGLANG_CACHE_HIT_RATE), "hit_rate_after": after[SGLANG_CACHE_HIT_RATE]}
     return None
 
 
