@@ -26,14 +26,14 @@ import torch
 from kestrel.engine.messages import SampleUpdate, TokenLogprob
 from kestrel.engine.request import Sequence
 from kestrel.engine.scheduler import ScheduledSeq
-from kestrel.errors import KestrelError
 from kestrel.forward.batch import ForwardOutput, SequenceChunk
 from kestrel.forward.sampler import make_sampling_batch, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
 from kestrel.speculative.config import SpeculativeConfig
 from kestrel.speculative.ngram import NgramProposer
 from kestrel.speculative.proposer import ComputedRows, Proposer
-from kestrel.speculative.verify import verify_chain
+from kestrel.speculative.tree import draft_tree
+from kestrel.speculative.verify import verify_chain, verify_tree
 
 logger = logging.getLogger("kestrel.speculative")
 
@@ -63,14 +63,17 @@ class SpeculativeDecoding:
     step() for a step of decodes, and observe_plain_step() after every other step."""
 
     def __init__(self, engine, config: SpeculativeConfig, proposer: Proposer) -> None:
-        if config.topk > 1:
-            raise KestrelError(f"speculative topk {config.topk} asks for tree drafting, which this version does not "
-                               "run yet: use topk 1 (a chain of num_speculative_tokens drafts)")
         self.engine = engine
         self.config = config
         self.max_depth = config.num_speculative_tokens
         self.proposer = proposer
-        self.policy = DepthPolicy(self.max_depth, config.adaptive)
+        # a tree (topk > 1) has one fixed shape: a step verifies all of it or none of it
+        self.tree = draft_tree(self.max_depth, config.topk, config.num_draft_nodes) if config.is_tree else None
+        if self.tree is not None:
+            self._depths = self.tree.depths
+            self._tree_mask = self.tree.mask()
+        depths = (0, self.max_depth) if self.tree is not None else None
+        self.policy = DepthPolicy(self.max_depth, config.adaptive, depths=depths)
         self.counters = SpecCounters()
         self.synthetic_rate = config.synthetic_acceptance_rate
         self._per_seq: dict[int, int] = {}
@@ -88,15 +91,17 @@ class SpeculativeDecoding:
             return NgramProposer(config.prompt_lookup_min, config.prompt_lookup_max)
         from kestrel.speculative.eagle3_proposer import Eagle3Proposer
         # a backend instance of its own: eager draft steps must not resize the target graphs' decode scratch
-        return Eagle3Proposer(drafter, type(runner.backend)(), drafter_kv, block_size, runner.device, drafter_graphs)
+        return Eagle3Proposer(drafter, type(runner.backend)(), drafter_kv, block_size, runner.device, drafter_graphs,
+                              config.topk)
 
     # ---- which steps speculate -------------------------------------------------------------------------------
     def _room(self, seq: Sequence) -> int:
         """Drafts the sequence may still use: a verify step makes at most depth + 1 tokens."""
         p = seq.params
-        left = self.engine.max_model_len - seq.num_tokens
-        if p.max_tokens is not None:
-            left = min(left, p.max_tokens - seq.num_output_tokens)
+        room = self.engine.max_model_len - seq.num_tokens
+        left = room if p.max_tokens is None else min(room, p.max_tokens - seq.num_output_tokens)
+        if self.tree is not None:   # the whole tree or nothing: its nodes take cache slots past its depth
+            return self.max_depth if left - 1 >= self.max_depth and room - 1 >= self.tree.size else 0
         return max(0, min(self.max_depth, left - 1))
 
     def wants_step(self) -> bool:
@@ -148,28 +153,13 @@ class SpeculativeDecoding:
         eng = self.engine
         seqs = [r.seq for r in rows]
         wanted = [min(self._per_seq.get(seq.seq_id, 0), self._room(seq)) for seq in seqs]
-        drafts = []
-        for seq, k in zip(seqs, wanted):
-            d = self.proposer.drafts(seq, k) if k else []
-            if self.synthetic_rate is not None and k:
-                d = (d + [0] * k)[:k]   # the benchmark mode drafts every position, guessed or not
-            if d and not eng.scheduler.grow(seq, seq.num_tokens + len(d)):
-                d = []
-            drafts.append(d)
-        width = max(len(d) for d in drafts)
-        graphs = eng.runner.verify_graphs
-        if graphs is not None and 0 < width and len(rows) <= graphs.max_bs \
-                and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
-            width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
-            padded = [d + [0] * (width - len(d)) for d in drafts]
-        else:   # the eager road takes chunks of any length: no padding
-            padded = drafts
-        chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d, seq.num_computed_tokens, seq.block_ids,
-                                seq.num_preemptions, True, all_logits=bool(width))
-                  for seq, d in zip(seqs, padded)]
+        if self.tree is None:
+            chunks, drafts = self._chain_chunks(seqs, wanted)
+        else:
+            chunks, drafts = self._tree_chunks(seqs, wanted)
         self._lap("propose", started)
         output = eng.runner.execute(chunks)
-        q = width + 1
+        q = max(len(c.tokens) for c in chunks)
         offsets, logits = _uniform_rows(output.logits, [len(c.tokens) for c in chunks], q)   # row b * q + j
         self._mask_stops_before_min_tokens(seqs, logits, q)
         params = [seq.params for seq in seqs]
@@ -177,17 +167,16 @@ class SpeculativeDecoding:
         sampling = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
                                        [p.top_p for p in params], [p.min_p for p in params],
                                        [seq.generator for seq in seqs], max_logprobs, logits.device)
-        num_drafts = [len(d) for d in drafts]
-        draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
-        accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(seqs), width),
-                                         torch.tensor(num_drafts, device=logits.device), sampling,
-                                         synthetic_acceptance_rate=self.synthetic_rate)
-        table = torch.cat([accepted_t[:, None], out_t], dim=1).tolist()   # one read-back
-        accepted, out = [row[0] for row in table], [row[1:] for row in table]
+        if self.tree is None:
+            accepted, out, paths = self._verify_chain(logits, drafts, q, sampling)
+        else:
+            accepted, out, paths = self._verify_tree(logits, drafts, q, sampling, chunks)
+        num_drafts = [len(d) if self.tree is None else (self.max_depth if d else 0) for d in drafts]
         self._lap("verify")
+        # paths[b]: the query index (within the sequence's q rows) each kept token was sampled at
         logprob_rows = None
         if max_logprobs:
-            idx = torch.tensor([b * q + j for b, n in enumerate(accepted) for j in range(n + 1)],
+            idx = torch.tensor([b * q + paths[b][j] for b, n in enumerate(accepted) for j in range(n + 1)],
                                device=logits.device)
             toks = torch.tensor([t for b, n in enumerate(accepted) for t in out[b][:n + 1]], device=logits.device)
             chosen, top_vals, top_ids = top_logprobs(logits.index_select(0, idx), toks, max_logprobs)
@@ -221,7 +210,10 @@ class SpeculativeDecoding:
                 eng.scheduler.finish(seq, reason)
                 self.forget(seq.seq_id)
             else:
-                computed.append(self._computed_rows(seq, start, kept, offsets[b]))
+                # the K/V of the kept tokens sit at start .. start + kept - 1 (a tree's were moved there); the
+                # hidden state of each is at its query row
+                hidden = [offsets[b] + paths[b][j] for j in range(kept)]
+                computed.append(self._computed_rows(seq, start, kept, offsets[b], hidden))
             updates.append(eng._update(seq, new[:kept], lp))
             if reason is not None:
                 eng._forget_if_done(seq.request_id)
@@ -229,8 +221,112 @@ class SpeculativeDecoding:
         self.proposer.observe(computed, output)
         self._lap("draft")
         if any(num_drafts):   # a step of no drafts (the drafter catching up) is neither plain nor speculative
-            self._this_step = (len(seqs), width)
+            self._this_step = (len(seqs), self.max_depth if self.tree is not None else max(num_drafts))
         return updates
+
+    def _chain_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
+        """Each sequence's verify chunk [last token, d1 .. dk], and its drafts."""
+        eng = self.engine
+        drafts = []
+        for seq, k in zip(seqs, wanted):
+            d = self.proposer.drafts(seq, k) if k else []
+            if self.synthetic_rate is not None and k:
+                d = (d + [0] * k)[:k]   # the benchmark mode drafts every position, guessed or not
+            if d and not eng.scheduler.grow(seq, seq.num_tokens + len(d)):
+                d = []
+            drafts.append(d)
+        width = max(len(d) for d in drafts)
+        graphs = eng.runner.verify_graphs
+        if graphs is not None and 0 < width and len(seqs) <= graphs.max_bs \
+                and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
+            width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
+            padded = [d + [0] * (width - len(d)) for d in drafts]
+        else:   # the eager road takes chunks of any length: no padding
+            padded = drafts
+        chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d, seq.num_computed_tokens, seq.block_ids,
+                                seq.num_preemptions, True, all_logits=bool(width))
+                  for seq, d in zip(seqs, padded)]
+        return chunks, drafts
+
+    def _tree_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
+        """Each sequence's tree verify chunk [last token, the tree's nodes in BFS order] (speculative/tree.py), and
+        its node tokens ([] for a sequence that does not draft: its nodes are padding, never accepted)."""
+        eng, tree = self.engine, self.tree
+        drafts = []
+        for seq, k in zip(seqs, wanted):
+            steps = self.proposer.candidates(seq) if k else None
+            if self.synthetic_rate is not None and k:
+                steps = steps or [[0] * tree.topk] * tree.depth
+            nodes = tree.node_tokens(steps) if steps is not None and len(steps) >= tree.depth else []
+            if nodes and not eng.scheduler.grow(seq, seq.num_tokens + tree.size):
+                nodes = []
+            drafts.append(nodes)
+        full = any(drafts) and all(eng.scheduler.grow(seq, seq.num_tokens + tree.size) for seq in seqs)
+        chunks = []
+        for seq, nodes in zip(seqs, drafts):
+            tokens = [seq.output_token_ids[-1]] + ((nodes or [0] * tree.size) if full else nodes)
+            n = len(tokens)
+            tree_rows = n > 1   # a lone root is an ordinary decode token
+            chunks.append(SequenceChunk(seq.seq_id, tokens, seq.num_computed_tokens, seq.block_ids,
+                                        seq.num_preemptions, True, all_logits=tree_rows,
+                                        depths=self._depths[:n] if tree_rows else None,
+                                        tree_mask=self._tree_mask[:n, :n] if tree_rows else None))
+        return chunks, drafts
+
+    def _verify_chain(self, logits: torch.Tensor, drafts: list[list[int]], q: int, sampling
+                      ) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        width = q - 1
+        num_drafts = [len(d) for d in drafts]
+        draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
+        accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(drafts), width),
+                                         torch.tensor(num_drafts, device=logits.device), sampling,
+                                         synthetic_acceptance_rate=self.synthetic_rate)
+        table = torch.cat([accepted_t[:, None], out_t], dim=1).tolist()   # one read-back
+        accepted, out = [row[0] for row in table], [row[1:] for row in table]
+        return accepted, out, [list(range(n + 1)) for n in accepted]
+
+    def _verify_tree(self, logits: torch.Tensor, drafts: list[list[int]], q: int, sampling,
+                     chunks: list[SequenceChunk]) -> tuple[list[int], list[list[int]], list[list[int]]]:
+        """Verify every sequence's tree, then move the accepted path's K/V to the cache indices after the root."""
+        tree, batch, device = self.tree, len(drafts), logits.device
+        if self.synthetic_rate is not None:   # the benchmark mode accepts along the chain's nodes
+            chain = [i for i, (d, r) in enumerate(tree.nodes) if r == 0]
+            rows = torch.tensor([b * q + j for b in range(batch) for j in [0] + [c + 1 for c in chain]], device=device)
+            tokens = torch.tensor([[d[c] if d else -1 for c in chain] for d in drafts], dtype=torch.int64)
+            num = torch.tensor([len(chain) if d else 0 for d in drafts], device=device)
+            accepted_t, out_t = verify_chain(logits.index_select(0, rows), tokens.to(device), num, sampling,
+                                             synthetic_acceptance_rate=self.synthetic_rate)
+            nodes_t = torch.tensor(chain, device=device).expand(batch, -1)
+            nodes_t = torch.where(torch.arange(len(chain), device=device) < accepted_t[:, None], nodes_t, -1)
+        else:
+            tokens = torch.tensor([d if d else [-1] * (q - 1) for d in drafts], dtype=torch.int64)
+            parents = torch.tensor([tree.parents] * batch, dtype=torch.int64)
+            accepted_t, out_t, nodes_t = verify_tree(logits, parents.to(device), tokens.to(device), sampling)
+        table = torch.cat([accepted_t[:, None], out_t, nodes_t], dim=1).tolist()   # one read-back
+        width = out_t.shape[1]
+        accepted = [row[0] for row in table]
+        out = [row[1:1 + width] for row in table]
+        paths = [[0] + [node + 1 for node in row[1 + width:1 + width + row[0]]] for row in table]
+        self._move_accepted_kv(chunks, paths)
+        return accepted, out, paths
+
+    def _move_accepted_kv(self, chunks: list[SequenceChunk], paths: list[list[int]]) -> None:
+        """A tree's accepted node i (cache index start + i) becomes position start + j, j its depth on the path:
+        copy its K/V there in every layer. Indices only grow along a path (BFS order), so no copy overwrites a
+        source still to be read."""
+        block_size = self.engine.config.block_size
+        src, dst = [], []
+        for chunk, path in zip(chunks, paths):
+            for j, i in enumerate(path):
+                if i != j:
+                    for index, into in ((chunk.start + i, src), (chunk.start + j, dst)):
+                        into.append(chunk.block_ids[index // block_size] * block_size + index % block_size)
+        if not src:
+            return
+        kv = self.engine.runner.kv_cache   # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
+        flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])
+        device = kv.device
+        flat[:, :, torch.tensor(dst, device=device)] = flat[:, :, torch.tensor(src, device=device)]
 
     def _lap(self, phase: str, since: float | None = None) -> None:
         """Add the time since the last lap (or `since`) to `phase` in self.timing, when a benchmark asks."""
@@ -245,22 +341,25 @@ class SpeculativeDecoding:
         self._last_lap = now
 
     def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor, q: int) -> None:
-        """Row seq * q + j samples output token num_output + j: under min_tokens it may not be a stop token."""
+        """Row seq * q + j samples output token num_output + depth of query j (a chain: j): under min_tokens it may
+        not be a stop token."""
+        depths = range(q) if self.tree is None else self._depths
         for b, seq in enumerate(seqs):
             banned = self.engine.stop_tokens_under_min_tokens(seq)
             for j in range(q):
-                if banned and seq.num_output_tokens + j < seq.params.min_tokens:
+                if banned and seq.num_output_tokens + depths[j] < seq.params.min_tokens:
                     logits[b * q + j, banned] = float("-inf")
 
     # ---- following the target -------------------------------------------------------------------------------
-    def _computed_rows(self, seq: Sequence, start: int, count: int, hidden_offset: int) -> ComputedRows:
+    def _computed_rows(self, seq: Sequence, start: int, count: int, hidden_offset: int,
+                       hidden_rows: list[int] | None = None) -> ComputedRows:
         """What a step computed for the sequence; it drafts for its next verify step if blocks allow."""
         depth = self.max_depth if self._room(seq) > 0 else 0
         # The drafter writes K/V up to position num_tokens + depth - 2; the next verify step needs the rest.
         if depth and not self.engine.scheduler.grow(seq, seq.num_tokens + depth):
             depth = 0
         return ComputedRows(seq.seq_id, start, count, seq.tokens_at(start + 1, count), seq.block_ids,
-                            hidden_offset, depth)
+                            hidden_offset, depth, hidden_rows)
 
     def observe_plain_step(self, rows: list[ScheduledSeq], output: ForwardOutput) -> None:
         """After a step without speculation: the drafter follows prompt chunks (cheap next to the target's

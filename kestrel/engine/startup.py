@@ -138,11 +138,16 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
         capture_graphs(runner, config, max_model_len, progress)
         if spec is not None and runner.graphs is not None:
             from kestrel.forward.decode_graphs import capture_verify_graphs
-            capture_verify_graphs(runner, config, max_model_len, spec.num_speculative_tokens + 1, progress)
+            tree = None
+            if spec.is_tree:
+                from kestrel.speculative.tree import draft_tree
+                shape = draft_tree(spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes)
+                tree = (shape.depths, shape.mask())
+            capture_verify_graphs(runner, config, max_model_len, spec.num_draft_nodes + 1, progress, tree)
             if drafter is not None and runner.verify_graphs is not None:
                 from kestrel.speculative.drafter_graphs import capture_drafter_graphs
                 drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
-                                                        spec.num_speculative_tokens, progress)
+                                                        spec.num_speculative_tokens, spec.topk, progress)
 
     progress.begin("warming_up")
     warm_up(runner, config.block_size)

@@ -31,6 +31,10 @@ class SequenceChunk:
     generation: int = 0        # the sequence's preemption count: its blocks were replaced when it changes
     wants_logits: bool = True  # the last token's logits (a prompt chunk that does not finish its prompt: no)
     all_logits: bool = False   # logits at every query token (a speculative verify step: the last token + drafts)
+    # A tree verify step (speculative/tree.py): query token i sits at cache index start + i but rotary position
+    # start + depths[i], and sees the keys tree_mask[i] allows among the step's tokens (attention/base.py)
+    depths: list[int] | None = None
+    tree_mask: torch.Tensor | None = None   # [len(tokens), len(tokens)] bool
 
 
 @dataclass(slots=True)
@@ -94,9 +98,20 @@ class ForwardOutput:
 def chunks_to_batch(chunks: list[SequenceChunk], block_size: int,
                     capture_hidden_layers: tuple[int, ...] = ()) -> ForwardBatch:
     """The eager road's ForwardBatch (on the CPU) for a step's chunks."""
-    return build_forward_batch([c.tokens for c in chunks], [c.start for c in chunks], [c.block_ids for c in chunks],
-                               block_size, [c.wants_logits for c in chunks], capture_hidden_layers,
-                               [c.all_logits for c in chunks])
+    batch = build_forward_batch([c.tokens for c in chunks], [c.start for c in chunks],
+                                [c.block_ids for c in chunks], block_size, [c.wants_logits for c in chunks],
+                                capture_hidden_layers, [c.all_logits for c in chunks])
+    if any(c.depths is not None for c in chunks):
+        batch.positions = torch.tensor([c.start + (c.depths[i] if c.depths is not None else i)
+                                        for c in chunks for i in range(len(c.tokens))], dtype=torch.int64)
+        q = batch.max_query_len
+        mask = torch.ones(len(chunks), q, q, dtype=torch.bool).tril()   # a chunk without a tree: causal
+        for s, c in enumerate(chunks):
+            if c.tree_mask is not None:
+                n = len(c.tokens)
+                mask[s, :n, :n] = c.tree_mask
+        batch.tree_mask = mask
+    return batch
 
 
 def build_forward_batch(

@@ -93,10 +93,15 @@ class _RowState:
 
 class DecodeGraphs:
     def __init__(self, runner, max_bs: int, max_blocks_per_seq: int, max_rows: int, query_len: int = 1,
-                 fused: bool | None = None) -> None:
+                 fused: bool | None = None, tree: tuple[list[int], torch.Tensor] | None = None) -> None:
         self.runner = runner
         self.max_bs = max_bs
         self.query_len = q = query_len
+        # A tree verify runner (speculative/tree.py): one fixed tree for every sequence, as (each query token's
+        # depth: its rotary position is start + depth, its cache index start + i; the [Q, Q] attention mask).
+        self.depths = list(range(q)) if tree is None else list(tree[0])
+        self.tree_mask = None if tree is None else \
+            tree[1].to(runner.device).expand(max_bs, q, q).contiguous()
         self.buckets = batch_size_buckets(max_bs)
         self.max_updates = 2 * max_bs
         self.max_rows = max_rows
@@ -160,6 +165,7 @@ class DecodeGraphs:
             block_table=block_table, slot_mapping=self._view("slot_mapping", n), logits_at=None,
             max_query_len=self.query_len, max_kv_len=self.max_kv_len, input_embeds=embeds,
             capture_hidden_layers=self.runner.capture_hidden_layers,
+            tree_mask=None if self.tree_mask is None else self.tree_mask[:bs],
         )
         tokens = self._view("prev_tokens", n)
         if self.argmax_scratch is not None:
@@ -203,8 +209,9 @@ class DecodeGraphs:
         """A step this runner replays: at most max_bs sequences of Q query tokens each, every token's logits (a
         verify step's chunks ask for all of them; a decode chunk's one token is its last)."""
         q = self.query_len
+        tree = self.tree_mask is not None
         return len(chunks) <= self.max_bs and all(len(c.tokens) == q and c.wants_logits and (q == 1 or c.all_logits)
-                                                  for c in chunks)
+                                                  and (c.depths is not None) == tree for c in chunks)
 
     def _next_host_buffer(self) -> None:
         self._turn ^= 1
@@ -286,6 +293,7 @@ class DecodeGraphs:
         q, bs = self.query_len, len(chunks)
         bucket = next(b for b in self.buckets if b >= bs)
         h, L, block_size = self.host_np, self.layout, self.runner.block_size
+        depths = self.depths
         updates: list[tuple[int, int, int]] = []
         positions, slots, rows, kv_lens = [], [], [], []
         row_of = self.row_of
@@ -298,8 +306,9 @@ class DecodeGraphs:
                 row = state.row   # the common case, inline: this loop is on every step's host path
             else:
                 row = self.table_row(chunk.seq_id, blocks, chunk.generation, chunks, updates)
-            for pos in range(start, start + q):
-                positions.append(pos)
+            for i, depth in enumerate(depths):
+                pos = start + i   # the cache index; the rotary position is start + depth (a chain: the same)
+                positions.append(start + depth)
                 slots.append(blocks[pos // block_size] * block_size + pos % block_size)
             rows.append(row)
             kv_lens.append(start + q)
@@ -393,11 +402,12 @@ VERIFY_GRAPH_MAX_BS = 64   # past this batch size verification is compute-bound 
 
 
 def capture_verify_graphs(runner, config: EngineConfig, max_model_len: int, query_len: int,
-                          progress: Progress) -> None:
-    """Graphs for speculative verify steps (query_len = k + 1 tokens a sequence), in the decode graphs' pool.
-    A capture failure leaves verification eager: slower, never wrong."""
+                          progress: Progress, tree: tuple[list[int], torch.Tensor] | None = None) -> None:
+    """Graphs for speculative verify steps (query_len = k + 1 tokens a sequence, or a tree's nodes + 1), in the
+    decode graphs' pool. A capture failure leaves verification eager: slower, never wrong."""
     max_bs = min(config.cuda_graph_max_bs, config.max_num_seqs, VERIFY_GRAPH_MAX_BS)
-    verify = DecodeGraphs(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs, query_len)
+    verify = DecodeGraphs(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs, query_len,
+                          tree=tree)
     verify.pool = runner.graphs.pool
     progress.begin("capturing_cuda_graphs", len(verify.buckets), "verify graphs")
     start = time.monotonic()

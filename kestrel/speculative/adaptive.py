@@ -51,6 +51,7 @@ class _SeqAcceptance:
 class DepthPolicy:
     max_depth: int
     adaptive: bool = True
+    depths: tuple[int, ...] | None = None   # the depths a step may take (None: 0 .. max_depth); a tree: (0, K)
     min_acceptance: float = 0.2
     probe_every: int = 16
     step_time: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, depth) -> seconds
@@ -81,7 +82,7 @@ class DepthPolicy:
             return 0
         others = batch_size - len(rates)   # sequences in the step that do not draft: one token each
         best, best_goodput = 0, None
-        for k in range(self.max_depth + 1):
+        for k in (self.depths if self.depths is not None else range(self.max_depth + 1)):
             estimate = self._estimate(b, k, base)
             goodput = (others + sum(expected_tokens(r, k) for r in rates)) / estimate
             if best_goodput is None or goodput > best_goodput:

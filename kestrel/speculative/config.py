@@ -88,9 +88,8 @@ class SpeculativeConfig:
 
 
 def max_tree_nodes(depth: int, topk: int) -> int:
-    """SGLang's EAGLE tree picks its nodes among topk first-step candidates and topk * topk per later step
-    (each of the topk kept branches proposes topk children)."""
-    return topk + (depth - 1) * topk * topk
+    """Kestrel's draft tree (speculative/tree.py) holds topk candidates at each of its depth steps."""
+    return depth * topk
 
 
 def normalize_method(name: str) -> str:

@@ -15,12 +15,15 @@ A verify step of sequence i computed positions p .. p + Q - 1 (Q = K + 1) and ke
 
 The packed input buffer (int64, one host-to-device copy a launch):
 
-    | tokens [B*Q] | positions [B*Q] | slots [B*Q] | kv_lens [B] | rows [B] | last [B] | draft_pos [B] |
-    | covered [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
-      last: index of the extend row at p + count - 1; draft_pos: p + count; covered: positions with blocks
+    | tokens [B*Q] | positions [B*Q] | slots [B*Q] | hidden_rows [B*Q] | kv_lens [B] | rows [B] | last [B] |
+    | draft_pos [B] | covered [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+      hidden_rows: the verify output row each extend row reads (a tree's accepted path skips nodes; a chain's
+      rows are its own); last: index of the extend row at p + count - 1; draft_pos: p + count; covered:
+      positions with blocks
       rows: the sequence's block-table row, shared with the verify graphs (their `tables`, their bookkeeping)
 
-Output: drafts [B, K] int64 on the device, read back once.
+Output: drafts [B, K, topk] int64 on the device (each step's top-k tokens; the chain follows the first), read
+back once.
 """
 from __future__ import annotations
 
@@ -38,9 +41,19 @@ from kestrel.speculative.proposer import ComputedRows
 logger = logging.getLogger("kestrel.speculative")
 
 
+def top_candidates(drafter, normed: torch.Tensor, topk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(the drafter's greedy token [B], its top-k tokens [B, topk], greedy first), in the target's vocabulary."""
+    logits = drafter.compute_logits(normed)
+    if topk == 1:
+        token = drafter.draft_to_target(logits.argmax(dim=-1))
+        return token, token[:, None]
+    candidates = drafter.draft_to_target(logits.topk(topk, dim=-1).indices)
+    return candidates[:, 0], candidates
+
+
 def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
     """The packed input buffer's fields as name -> (offset, length), and its size."""
-    fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots")]
+    fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots", "hidden_rows")]
     fields += [(name, max_bs) for name in ("kv_lens", "rows", "last", "draft_pos", "covered")]
     fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
     layout, size = {}, 0
@@ -52,13 +65,14 @@ def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tup
 
 class DrafterGraphs:
     def __init__(self, drafter, backend: AttentionBackend, kv: tuple[torch.Tensor, torch.Tensor],
-                 verify: DecodeGraphs, depth: int) -> None:
+                 verify: DecodeGraphs, depth: int, topk: int = 1) -> None:
         self.drafter = drafter
         self.backend = backend
         self.kv = kv
         self.verify = verify
         self.q = verify.query_len
         self.depth = depth
+        self.topk = topk
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.buckets = verify.buckets
         self.max_bs = verify.max_bs
@@ -90,7 +104,8 @@ class DrafterGraphs:
         tables.index_put_((self._view("upd_rows"), self._view("upd_cols")), self._view("upd_vals"))
         block_table = tables.index_select(0, self._view("rows", bs))
         hidden = self.verify.outputs[bs].hidden_states
-        aux = torch.cat([hidden[layer][:n] for layer in self.aux_layers], dim=-1)
+        aux = torch.cat([hidden[layer] for layer in self.aux_layers], dim=-1).index_select(
+            0, self._view("hidden_rows", n))
         last = self._view("last", bs)
         extend = ForwardBatch(
             input_ids=self._view("tokens", n), positions=self._view("positions", n),
@@ -99,9 +114,9 @@ class DrafterGraphs:
             max_query_len=q, max_kv_len=self.max_kv_len)
         self.backend.prepare(extend)
         normed, recurrent = drafter(extend, aux, self.backend, self.kv)
-        token = self._next(normed)
+        token, candidates = self._next(normed)
         state = recurrent.index_select(0, last)
-        drafted = [token]
+        drafted = [candidates]
         pos, covered = self._view("draft_pos", bs), self._view("covered", bs)
         max_col = block_table.shape[1] - 1
         for _ in range(self.depth - 1):
@@ -116,14 +131,14 @@ class DrafterGraphs:
                 max_kv_len=self.max_kv_len)
             self.backend.prepare(step)
             normed, state = drafter(step, state, self.backend, self.kv)
-            token = self._next(normed)
-            drafted.append(token)
+            token, candidates = self._next(normed)
+            drafted.append(candidates)
             pos = pos + 1
         return torch.stack(drafted, dim=1)
 
-    def _next(self, normed: torch.Tensor) -> torch.Tensor:
-        """The drafter's greedy token, in the target's vocabulary."""
-        return self.drafter.draft_to_target(self.drafter.compute_logits(normed).argmax(dim=-1))
+    def _next(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the drafter's greedy token [B], its top-k tokens [B, topk]), in the target's vocabulary."""
+        return top_candidates(self.drafter, normed, self.topk)
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
@@ -151,7 +166,7 @@ class DrafterGraphs:
 
     def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
         h, L, q = self.host_np, self.layout, self.q
-        for name, value in (("tokens", 0), ("positions", 0), ("slots", -1)):
+        for name, value in (("tokens", 0), ("positions", 0), ("slots", -1), ("hidden_rows", 0)):
             base = L[name][0]
             h[base + start * q:base + stop * q] = value
         for name, value in (("kv_lens", q), ("rows", self.verify.dummy_row), ("last", 0), ("draft_pos", 0),
@@ -163,14 +178,15 @@ class DrafterGraphs:
             h[base + upd_start:base + size] = value
 
     @torch.inference_mode()
-    def run(self, rows: list[ComputedRows], output: ForwardOutput) -> list[list[int]]:
-        """Extend and draft after the verify step that made `output`; each row's K drafts (in `rows` order)."""
+    def run(self, rows: list[ComputedRows], output: ForwardOutput) -> list[list[list[int]]]:
+        """Extend and draft after the verify step that made `output`: each row's K steps of top-k candidates (in
+        `rows` order)."""
         q, block_size, verify = self.q, self.block_size, self.verify
         bucket = output.replayed[1]
         h, L = self.host_np, self.layout
         self._fill_padding(0, bucket, 0)
         updates: list[tuple[int, int, int]] = []
-        tok_at, pos_at, slot_at = L["tokens"][0], L["positions"][0], L["slots"][0]
+        tok_at, pos_at, slot_at, hid_at = L["tokens"][0], L["positions"][0], L["slots"][0], L["hidden_rows"][0]
         for r in rows:
             b = r.hidden_offset // q
             blocks = r.block_ids
@@ -179,6 +195,7 @@ class DrafterGraphs:
             at = b * q
             h[tok_at + at:tok_at + at + r.count] = r.next_tokens
             h[pos_at + at:pos_at + at + q] = range(r.start, r.start + q)
+            h[hid_at + at:hid_at + at + r.count] = r.rows()
             h[slot_at + at:slot_at + at + r.count] = [
                 blocks[p // block_size] * block_size + p % block_size for p in range(r.start, r.start + r.count)]
             for name, value in (("kv_lens", r.start + q), ("rows", row), ("last", at + r.count - 1),
@@ -196,14 +213,14 @@ class DrafterGraphs:
         return [table[r.hidden_offset // q] for r in rows]
 
 
-def capture_drafter_graphs(drafter, kv: tuple[torch.Tensor, torch.Tensor], runner, depth: int,
+def capture_drafter_graphs(drafter, kv: tuple[torch.Tensor, torch.Tensor], runner, depth: int, topk: int,
                            progress: Progress) -> DrafterGraphs | None:
     """Graphs for the drafter after verify steps, one per verify-graph bucket, in the same pool. A capture failure
     leaves drafting eager: slower, never wrong."""
     # Its own backend instance: the drafter's heads may differ from the target's, and a shared backend would
     # reallocate the decode scratch that the target's graphs point at.
     backend = type(runner.backend)()
-    graphs = DrafterGraphs(drafter, backend, kv, runner.verify_graphs, depth)
+    graphs = DrafterGraphs(drafter, backend, kv, runner.verify_graphs, depth, topk)
     backend.init_graph_buffers(graphs.max_bs, runner.verify_graphs.tables.shape[1], runner.device)
     progress.begin("capturing_cuda_graphs", len(graphs.buckets), "drafter graphs")
     start = time.monotonic()

@@ -20,13 +20,13 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardOutput, build_forward_batch
-from kestrel.speculative.drafter_graphs import DrafterGraphs
+from kestrel.speculative.drafter_graphs import DrafterGraphs, top_candidates
 from kestrel.speculative.proposer import ComputedRows, DraftSource, Proposer
 
 
 class Eagle3Proposer(Proposer):
     def __init__(self, drafter, backend: AttentionBackend, kv_cache: torch.Tensor, block_size: int,
-                 device: torch.device, graphs: DrafterGraphs | None = None) -> None:
+                 device: torch.device, graphs: DrafterGraphs | None = None, topk: int = 1) -> None:
         self.drafter = drafter
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.backend = backend   # its own instance (see capture_drafter_graphs): never the target's
@@ -34,13 +34,19 @@ class Eagle3Proposer(Proposer):
         self.kv = (kv_cache[0], kv_cache[1])   # [2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = device
-        self.pending: dict[int, tuple[int, list[int]]] = {}   # seq_id -> (num_tokens they follow, drafts)
+        self.topk = topk         # candidates kept per drafting step (a tree: speculative/tree.py)
+        # seq_id -> (num_tokens they follow, each drafting step's top-k tokens, the chain's first)
+        self.pending: dict[int, tuple[int, list[list[int]]]] = {}
 
     def drafts(self, seq: DraftSource, k: int) -> list[int]:
+        steps = self.candidates(seq)
+        return [] if steps is None else [step[0] for step in steps[:k]]
+
+    def candidates(self, seq: DraftSource) -> list[list[int]] | None:
         ready = self.pending.get(seq.seq_id)
         if ready is None or ready[0] != seq.num_tokens:   # stale: the sequence moved on without the drafter
-            return []
-        return ready[1][:k]
+            return None
+        return ready[1]
 
     def forget(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
@@ -50,12 +56,12 @@ class Eagle3Proposer(Proposer):
         if not rows:
             return
         if self.graphs is not None and self.graphs.can_run(rows, output):
-            for r, tokens in zip(rows, self.graphs.run(rows, output)):
+            for r, steps in zip(rows, self.graphs.run(rows, output)):
                 if r.draft > 0:
-                    self.pending[r.seq_id] = (r.start + r.count + 1, tokens[:r.draft])
+                    self.pending[r.seq_id] = (r.start + r.count + 1, steps[:r.draft])
             return
         aux = torch.cat([output.hidden_states[layer] for layer in self.aux_layers], dim=-1)
-        index = torch.tensor([r.hidden_offset + i for r in rows for i in range(r.count)], dtype=torch.int64)
+        index = torch.tensor([i for r in rows for i in r.rows()], dtype=torch.int64)
         batch = build_forward_batch([r.next_tokens for r in rows], [r.start for r in rows],
                                     [r.block_ids for r in rows], self.block_size).to(self.device)
         self.backend.prepare(batch)
@@ -66,9 +72,9 @@ class Eagle3Proposer(Proposer):
         # the extend's last row of each drafting sequence predicts its first draft
         ends = torch.tensor(batch.query_start_loc[1:].tolist(), dtype=torch.int64) - 1
         pick = torch.tensor(drafting, dtype=torch.int64, device=normed.device)
-        token = self._next(normed.index_select(0, pick))
+        token, candidates = top_candidates(self.drafter, normed.index_select(0, pick), self.topk)
         hidden = recurrent.index_select(0, ends.to(recurrent.device).index_select(0, pick))
-        drafted = [token]
+        drafted = [candidates]
         depth = max(rows[i].draft for i in drafting)
         positions = [rows[i].start + rows[i].count for i in drafting]   # each draft step's row position
         for _ in range(depth - 1):
@@ -77,15 +83,11 @@ class Eagle3Proposer(Proposer):
             step.input_ids = token   # on the device: no read-back between draft steps
             self.backend.prepare(step)
             normed, hidden = self.drafter(step, hidden, self.backend, self.kv)
-            token = self._next(normed)
-            drafted.append(token)
+            token, candidates = top_candidates(self.drafter, normed, self.topk)
+            drafted.append(candidates)
             positions = [p + 1 for p in positions]
-        table = torch.stack(drafted, dim=1).tolist()   # the one read-back: [sequences, depth]
-        for i, tokens in zip(drafting, table):
+        table = torch.stack(drafted, dim=1).tolist()   # the one read-back: [sequences, depth, topk]
+        for i, steps in zip(drafting, table):
             r = rows[i]
             # drafts follow the sequence once its token after the last computed position is its last token
-            self.pending[r.seq_id] = (r.start + r.count + 1, tokens[:r.draft])
-
-    def _next(self, normed: torch.Tensor) -> torch.Tensor:
-        """The drafter's greedy token, in the target's vocabulary."""
-        return self.drafter.draft_to_target(self.drafter.compute_logits(normed).argmax(dim=-1))
+            self.pending[r.seq_id] = (r.start + r.count + 1, steps[:r.draft])

@@ -35,6 +35,14 @@ class ComputedRows:
     block_ids: list[int]
     hidden_offset: int
     draft: int   # drafts to propose for the sequence's next verify step (0: none; its blocks cover them)
+    hidden_rows: list[int] | None = None   # the step's hidden-state row of each position when they are not
+                                           # consecutive from hidden_offset (a tree's accepted path)
+
+    def rows(self) -> list[int]:
+        """The step's hidden-state row of each computed position."""
+        if self.hidden_rows is not None:
+            return self.hidden_rows
+        return list(range(self.hidden_offset, self.hidden_offset + self.count))
 
 
 class Proposer(ABC):
@@ -44,6 +52,10 @@ class Proposer(ABC):
     @abstractmethod
     def drafts(self, seq: DraftSource, k: int) -> list[int]:
         """Up to k draft tokens to follow the sequence's last token (fewer, or none, when it has no guess)."""
+
+    def candidates(self, seq: DraftSource) -> list[list[int]] | None:
+        """Tree drafting: each drafting step's top-k tokens (steps[d][0] the chain's), or None when it has none."""
+        return None
 
     def observe(self, rows: list[ComputedRows], output: ForwardOutput) -> None:
         """A target step finished: `rows` say what it computed for the sequences this proposer follows."""
