@@ -79,7 +79,7 @@ def c128(engine: Engine, vocab: int, output_len: int) -> dict:
     return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}
 
 
-def bench_offline(target: Path, drafter: Path, k: int, output_len: int) -> dict:
+def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_topk: int = 3) -> dict:
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(3, 128, vocab, 0)
     out: dict = {}
@@ -124,7 +124,32 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int) -> dict:
     out["step_split_ms_L3"]["steps"] = steps
     sd.timing = None
     out["policy_step_times_ms"] = {f"{b}x{d}": round(1000 * t, 3) for (b, d), t in sd.policy.step_time.items()}
-    return out   # the engine goes with this frame
+    engine = sd = None   # free the GPU for the tree engine
+    gc.collect()
+    torch.cuda.empty_cache()
+    out["bs1_tree"] = bench_tree(common, spec, prompts, vocab, k, tree_topk, output_len)
+    return out
+
+
+def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk: int, output_len: int
+               ) -> list[dict]:
+    """bs1 with a tree of K steps x topk candidates (speculative/tree.py); the synthetic mode accepts along its
+    chain, so at a given acceptance length this is the chain's speed minus the cost of verifying the larger tree."""
+    engine = Engine(EngineConfig(speculative_config=dict(spec, topk=topk), **common))
+    run_requests(engine, prompts[:1], 8)
+    sd = engine.spec
+    sd.policy.adaptive = False
+    rows = []
+    for length in (2.0, 3.0):
+        sd.synthetic_rate = rate_for_length(length, k)
+        before = counters(engine)
+        row = {"target_length": length, "synthetic_rate": sd.synthetic_rate, "topk": topk,
+               "draft_tokens": sd.tree.size}
+        row.update(single_stream(engine, prompts, output_len))
+        row.update(acceptance(engine, before))
+        log.info("tree %s", row)
+        rows.append(row)
+    return rows   # the engine goes with this frame
 
 
 def bench_serve(target: Path, drafter: Path, k: int, output_len: int, raw: Path) -> dict:
@@ -196,6 +221,10 @@ def _offline_lines(r: dict) -> str:
         al = row["acceptance_length"]
         lines.append(f"| {name} | {al:.2f} | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |"
                      if al else f"| {name} | — | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |")
+    for row in off.get("bs1_tree", []):
+        lines.append(f"| tree K={r['k']}x{row['topk']} ({row['draft_tokens']} nodes) fixed L={row['target_length']} "
+                     f"| {row['acceptance_length']:.2f} | {row['decode_tok_s']:.1f} | "
+                     f"{row['decode_tok_s'] / base:.2f}x |")
     c_base = off["plain"]["c128"]["output_tok_s"]
     lines += ["", "| 128 concurrent | out tok/s | vs none |", "|---|---:|---:|", f"| none | {c_base:.0f} | 1.00x |"]
     for row in off["c128_adaptive"]:

@@ -300,7 +300,7 @@ class SpeculativeDecoding:
             nodes_t = torch.where(torch.arange(len(chain), device=device) < accepted_t[:, None], nodes_t, -1)
         else:
             tokens = torch.tensor([d if d else [-1] * (q - 1) for d in drafts], dtype=torch.int64)
-            parents = torch.tensor([tree.parents] * batch, dtype=torch.int64)
+            parents = torch.tensor([tree.parents[:q - 1]] * batch, dtype=torch.int64).view(batch, q - 1)
             accepted_t, out_t, nodes_t = verify_tree(logits, parents.to(device), tokens.to(device), sampling)
         table = torch.cat([accepted_t[:, None], out_t, nodes_t], dim=1).tolist()   # one read-back
         width = out_t.shape[1]
