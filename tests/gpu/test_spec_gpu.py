@@ -37,3 +37,19 @@ def test_captured_drafter_and_verify_graphs_keep_greedy_output(drafter_dir):
     assert sum(len(d) for d in drafts[True]) > 100
     same = sum(a == b for a, b in zip(drafts[True], drafts[False]))
     assert same >= 0.95 * len(drafts[False]), f"{same} of {len(drafts[False])} drafts agree"
+
+
+def test_captured_tree_verify_and_drafter_graphs_keep_greedy_output(drafter_dir):
+    """Tree drafting on CUDA: the Triton extend kernel's tree mask inside captured verify graphs, the drafter's
+    top-k graphs and the accepted path's K/V moves."""
+    params = mixed_params(len(PROMPTS))
+    plain = LLM(**KW)
+    want = token_ids(plain.generate(PROMPTS, params))
+    del plain
+    torch.cuda.empty_cache()
+    config = dict(spec_configs(drafter_dir)["eagle3"], topk=3)
+    llm = LLM(speculative_config=config, **KW)
+    assert llm.engine.runner.verify_graphs is not None and llm.engine.spec.proposer.graphs is not None
+    assert llm.engine.runner.verify_graphs.tree_mask is not None
+    assert token_ids(llm.generate(PROMPTS, params)) == want
+    assert llm.engine.spec.counters.num_drafts > 0
