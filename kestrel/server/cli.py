@@ -12,22 +12,33 @@ from kestrel.errors import KestrelError
 
 def add_parser(subparsers) -> None:
     p = subparsers.add_parser("serve", help="OpenAI-compatible HTTP server",
-                              formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+                              description="Serve a model over an OpenAI-compatible HTTP API (/v1/completions, "
+                              "/v1/chat/completions, /v1/models; /health, /metrics, /openapi.json, /docs).")
     add_engine_args(p, model_positional=True)
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8000)
-    p.add_argument("--api-key", default=None,
-                   help="require `Authorization: Bearer KEY` on /v1/* (default: $KESTREL_API_KEY, else open)")
-    p.add_argument("--max-queue", type=int, default=None,
-                   help="requests waiting for their first token beyond which new ones get 503 (default: unbounded)")
-    p.add_argument("--stall-timeout", type=float, default=300.0,
-                   help="seconds a startup phase may go without progress before it is reported stalled and every "
-                        "thread's stack is logged (0: off)")
-    p.add_argument("--engine-in-thread", action="store_true",
-                   help="run the engine on a thread of the server process instead of its own process "
-                        "(one GIL for both; the process is faster under load)")
-    p.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"])
-
+    http = p.add_argument_group("HTTP server")
+    http.add_argument("--host", default="127.0.0.1", help="address to listen on (0.0.0.0: every interface)")
+    http.add_argument("--port", type=int, default=8000, help="port to listen on")
+    http.add_argument("--api-key", default=None,
+                      help="require `Authorization: Bearer KEY` on /v1/* (/health, /metrics, /version, "
+                      "/openapi.json and /docs stay open) (default: $KESTREL_API_KEY, else no key)")
+    http.add_argument("--max-queue", type=int, default=None,
+                      help="requests waiting for their first token beyond which new ones get 503 "
+                      "(default: unbounded)")
+    http.add_argument("--stall-timeout", type=float, default=300.0,
+                      help="seconds a startup phase may go without progress before it is reported stalled and "
+                      "every thread's stack is logged (0: off)")
+    http.add_argument("--engine-in-thread", action="store_true",
+                      help="run the engine on a thread of the server process instead of its own process "
+                      "(one GIL for both; the process is faster under load)")
+    logs = p.add_argument_group("logging")
+    logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
+                      help="log level of the server and uvicorn")
+    logs.add_argument("--disable-log-requests", action="store_true",
+                      help="do not log a line per finished request (id, tokens, TTFT, duration, finish reason)")
+    logs.add_argument("--disable-log-stats", action="store_true",
+                      help="do not log the periodic throughput line (tok/s, running/waiting, KV cache usage)")
+    logs.add_argument("--log-stats-interval", type=float, default=5.0, metavar="SECONDS",
+                      help="seconds between throughput lines; a line is logged only if something happened")
 
 def run(args: argparse.Namespace) -> int:
     from kestrel.server.app import ServerConfig, build_app
