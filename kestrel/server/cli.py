@@ -5,6 +5,7 @@ import argparse
 import logging
 import os
 import signal
+import sys
 
 from kestrel.config import add_engine_args, config_from_args
 from kestrel.errors import KestrelError
@@ -42,6 +43,7 @@ def add_parser(subparsers) -> None:
 
 def run(args: argparse.Namespace) -> int:
     from kestrel.server.app import ServerConfig, build_app
+    from kestrel.server.preflight import check_before_serving
     from kestrel.server.server import KestrelServer
 
     if args.max_queue is not None and args.max_queue < 0:
@@ -49,13 +51,21 @@ def run(args: argparse.Namespace) -> int:
     if not 0 < args.port < 65536:
         raise KestrelError(f"--port {args.port} is invalid: expected 1..65535")
     logging.getLogger("kestrel").setLevel(args.log_level.upper())
+    if args.log_stats_interval <= 0:
+        raise KestrelError(f"--log-stats-interval {args.log_stats_interval} is invalid: expected seconds > 0")
     engine_config = config_from_args(args)
+    check_before_serving(engine_config)   # a bad path or config ends here, before anything listens
     server_config = ServerConfig(api_key=args.api_key or os.environ.get("KESTREL_API_KEY") or None,
                                  max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None,
-                                 engine_in_thread=args.engine_in_thread)
+                                 engine_in_thread=args.engine_in_thread,
+                                 log_requests=not args.disable_log_requests,
+                                 log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
     server = KestrelServer(build_app(engine_config, server_config), args.host, args.port, args.log_level)
     # uvicorn restores the previous SIGTERM handler and re-raises the signal once it has shut down; a no-op
     # handler there makes a graceful SIGTERM exit with status 0 instead of dying by the signal.
     signal.signal(signal.SIGTERM, lambda *_: None)
     server.run()
-    return 1 if server.startup_failed else 0
+    if server.startup_failed:   # found by the engine (no memory for the KV cache, a bad weight file): said once
+        print(f"error: the engine did not start: {server.startup_error}", file=sys.stderr)
+        return 1
+    return 0
