@@ -31,7 +31,9 @@ from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
 from kestrel.server.log_lines import StatsLogger
 from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
-from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_body
+from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                     CompletionResponse, error_body)
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
     run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
@@ -89,9 +91,12 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
             await state.engine.shutdown(config.shutdown_timeout_s)
             state.progress.stop_watchdog()
 
-    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /openapi.json and /docs are open even with --api-key (server/openapi.py says why)
+    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  description="OpenAI-compatible LLM inference server")
     app.state.kestrel = state
     _add_error_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -115,7 +120,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "description": "the completion; with `stream`, "
+                               "server-sent events of chunks, then `data: [DONE]`"}, **ERROR_RESPONSES})
     async def create_completion(request: Request) -> Response:
         _check_auth(request, config.api_key)
         req = _parse(CompletionRequest, await request.body())
@@ -130,7 +137,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         return await _respond(request, gen, req.stream, req.stream_options, completions, state,
                               want_logprobs=req.logprobs is not None, param="prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "description": "the chat completion; with "
+                               "`stream`, server-sent events of chunks, then `data: [DONE]`"}, **ERROR_RESPONSES})
     async def create_chat_completion(request: Request) -> Response:
         _check_auth(request, config.api_key)
         req = _parse(ChatCompletionRequest, await request.body())
