@@ -144,7 +144,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         _check_auth(request, config.api_key)
         req = _parse(ChatCompletionRequest, await request.body())
         check_model(req.model, state.model_name)
-        params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req))
+        params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         try:
             prompt = chat.prompt_token_ids(req, state.engine.tokenizer)
         except Exception as exc:   # noqa: BLE001

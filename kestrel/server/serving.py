@@ -60,15 +60,20 @@ def _param_named_in(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; range errors become 400 naming the field."""
+def sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                    field_names: dict[str, str] | None = None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; range errors become 400 naming the field.
+
+    `field_names`: SamplingParams name -> the request's name for it where they differ (chat's top_logprobs is
+    SamplingParams.logprobs), so the error names the field the client sent."""
+    field_names = field_names or {}
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise APIError(400, f"{name}={getattr(req, name)} is not supported: Kestrel has no penalties yet "
                                 "(send 0 or leave it out)", param=name)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens={max_tokens} is invalid: expected an integer >= 1", param="max_tokens")
     try:
+        if max_tokens is not None and max_tokens < 1:
+            raise KestrelError(f"max_tokens={max_tokens} is invalid: expected an integer >= 1")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -80,7 +85,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
             skip_special_tokens=req.skip_special_tokens,
         )
     except KestrelError as exc:
-        raise api_error_from(exc) from None
+        error = api_error_from(exc)
+        if error.param in field_names:
+            alias = field_names[error.param]
+            error.message = error.message.replace(f"{error.param}=", f"{alias}=", 1)
+            error.param = alias
+        raise error from None
 
 
 def check_model(requested: str | None, served: str) -> None:
