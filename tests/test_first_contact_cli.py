@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import re
+import shutil
+import socket
 import subprocess
 import sys
 
@@ -77,3 +79,24 @@ def test_serve_with_a_max_model_len_beyond_the_model_fails_before_listening(chec
                           timeout=60)
     lines = [line for line in (proc.stdout + proc.stderr).splitlines() if line.strip()]
     assert proc.returncode != 0 and len(lines) == 1 and "--max-model-len 100000" in lines[0], lines
+
+
+def test_an_error_found_by_the_engine_is_said_once_as_the_last_line_and_exits_non_zero(checkpoint_factory, tmp_path):
+    """A checkpoint without weights passes the preflight (its config.json is fine); the engine finds the problem
+    after the port opened, and the server never said it was serving."""
+    source = checkpoint_factory("llama")
+    for f in source.iterdir():
+        if f.suffix != ".safetensors" and f.name != "model.safetensors.index.json":
+            shutil.copy(f, tmp_path / f.name)
+    with socket.socket() as sock:   # a free port
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", str(tmp_path), "--device", "cpu",
+                           "--port", str(port)], capture_output=True, text=True, timeout=120)
+    out = proc.stdout + proc.stderr
+    lines = [line for line in out.splitlines() if line.strip()]
+    assert proc.returncode == 1, out
+    assert lines[-1].startswith("error: the engine did not start: "), out
+    reason = lines[-1].removeprefix("error: the engine did not start: ")
+    assert sum(reason in line for line in lines) == 1, out
+    assert "Traceback" not in out and "Uvicorn running" not in out and "ready: serving" not in out
