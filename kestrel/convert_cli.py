@@ -11,7 +11,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("convert", help="GGUF file (or smollm2) -> HF-format safetensors directory")
     p.add_argument("source", help=".gguf file, or a short name such as smollm2")
     p.add_argument("out_dir", help="directory to write (new or empty)")
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="dtype of the written weights")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -13,15 +13,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     add_engine_args(p)
     p.add_argument("--prompt", action="append", required=True, help="prompt text; repeat for a batch")
     p.add_argument("--chat", action="store_true", help="wrap each prompt as a user message in the chat template")
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--min-p", type=float, default=0.0)
-    p.add_argument("--n", type=int, default=1)
-    p.add_argument("--stop", action="append", default=[])
-    p.add_argument("--ignore-eos", action="store_true")
-
+    p.add_argument("--max-tokens", type=int, default=128, help="tokens to generate per sample at most")
+    p.add_argument("--temperature", type=float, default=0.0, help="sampling temperature; 0 is greedy")
+    p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling: keep the smallest set of tokens "
+                   "whose probability reaches P (1: off)")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the K most likely tokens (-1: off)")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens less likely than P times the most likely one (0: off)")
+    p.add_argument("--n", type=int, default=1, help="samples per prompt")
+    p.add_argument("--stop", action="append", default=[], help="stop string; repeat for several (default: none)")
+    p.add_argument("--ignore-eos", action="store_true", help="keep generating past the end-of-sequence token")
 
 def run(args: argparse.Namespace) -> int:
     from kestrel.llm import LLM

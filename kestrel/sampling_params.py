@@ -5,6 +5,11 @@ from dataclasses import dataclass, field
 
 from kestrel.errors import KestrelError
 
+# Seeds are 64-bit signed, as vLLM's (torch.long): sample i of a request draws from a generator seeded seed + i,
+# so seed + n - 1 must fit as well.
+SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
+TOP_K_MAX = 2**31 - 1      # the sampler packs top_k through a float32 tensor; larger values mean "off" anyway
+
 
 @dataclass
 class SamplingParams:
@@ -43,14 +48,22 @@ class SamplingParams:
             raise bad("temperature", self.temperature, "a number in [0, 100]")
         if not 0.0 < self.top_p <= 1.0:
             raise bad("top_p", self.top_p, "a number in (0, 1]")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise bad("top_k", self.top_k, "-1 (off), 0 (off) or a positive integer")
+        if not isinstance(self.top_k, int) or not -1 <= self.top_k <= TOP_K_MAX:
+            raise bad("top_k", self.top_k, f"-1 (off), 0 (off) or a positive integer up to {TOP_K_MAX}")
         if not 0.0 <= self.min_p <= 1.0:
             raise bad("min_p", self.min_p, "a number in [0, 1]")
         if not isinstance(self.n, int) or not 1 <= self.n <= 128:
             raise bad("n", self.n, "an integer in [1, 128]")
-        if self.min_tokens < 0:
+        if not isinstance(self.min_tokens, int) or self.min_tokens < 0:
             raise bad("min_tokens", self.min_tokens, "an integer >= 0")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise bad("min_tokens", self.min_tokens, f"an integer <= max_tokens ({self.max_tokens})")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)
+                                      or not SEED_MIN <= self.seed <= SEED_MAX - (self.n - 1)):
+            raise bad("seed", self.seed, f"an integer in [{SEED_MIN}, {SEED_MAX - (self.n - 1)}] (sample i is seeded "
+                      f"with seed + i, so seed + n - 1 must not exceed {SEED_MAX})")
+        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
+            raise bad("stop_token_ids", self.stop_token_ids, "non-negative token ids")
         if self.logprobs is not None and not 0 <= self.logprobs <= 20:
             raise bad("logprobs", self.logprobs, "an integer in [0, 20]")
         if any(not isinstance(s, str) or not s for s in self.stop):

@@ -67,6 +67,9 @@ class EngineLimits:
         bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise KestrelError(f"prompt token id {bad[0]!r} is out of range: expected integers in [0, {vocab})")
+        bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
+        if bad:
+            raise KestrelError(f"stop_token_ids={bad!r} is invalid: expected token ids in [0, {vocab})")
         if n >= self.max_model_len:
             raise KestrelError(f"the prompt has {n} tokens but this model's maximum context length is "
                                f"{self.max_model_len} tokens (prompt and completion together)")
@@ -74,6 +77,9 @@ class EngineLimits:
             raise KestrelError(f"this model's maximum context length is {self.max_model_len} tokens, but "
                                f"{n + params.max_tokens} were requested ({n} in the prompt, {params.max_tokens} "
                                "for the completion); reduce max_tokens or the prompt")
+        if params.min_tokens > self.max_model_len - n:
+            raise KestrelError(f"min_tokens={params.min_tokens} is invalid: expected at most {self.max_model_len - n} "
+                               f"(this model's context of {self.max_model_len} tokens less the prompt's {n})")
         capacity = self.kv_capacity_tokens
         total = n + (params.max_tokens or self.max_model_len - n)
         if min(total, self.max_model_len) > capacity:

@@ -305,7 +305,7 @@ class AsyncEngine:
                 self.progress.ready()
             self.limits = limits
         elif kind == "start_failed":
-            logger.error("engine startup failed: %s", event[1])
+            logger.debug("engine startup failed: %s", event[1])   # said once, by the server (server/server.py)
             self.startup_error = KestrelError(event[1])
             self._fail_progress(event[1])
         elif kind == "exited" and not self._stopping:

@@ -12,6 +12,8 @@ client got wrong, 503 while starting or when the queue is full, 500 only when th
 """
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import hmac
 import logging
 from contextlib import asynccontextmanager
@@ -27,8 +29,11 @@ import kestrel
 from kestrel.config import EngineConfig
 from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
+from kestrel.server.log_lines import StatsLogger
 from kestrel.server.metrics import CONTENT_TYPE, ServerMetrics
-from kestrel.server.protocol import ChatCompletionRequest, CompletionRequest, error_body
+from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_body
+from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
+                                     CompletionResponse, error_body)
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
     run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
@@ -43,6 +48,8 @@ class ServerConfig:
     stall_timeout_s: float | None = 300.0  # startup phase without progress this long -> "stalled" + stack dump
     shutdown_timeout_s: float = 5.0       # how long to wait for the engine to stop before terminating it
     engine_in_thread: bool = False        # run the engine on a thread of the server (one GIL) instead of a process
+    log_requests: bool = True             # a log line per finished request
+    log_stats_interval_s: float | None = 5.0  # seconds between throughput lines (only when busy); None: off
 
 
 class ServerState:
@@ -71,15 +78,25 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def lifespan(app: FastAPI):
         state.progress.start_watchdog(engine_stacks=state.engine.engine_stacks)
         state.engine.start()   # spawns the engine process, which builds the Engine; the port is open meanwhile
+        stats_task = None
+        if config.log_stats_interval_s:
+            stats_task = asyncio.create_task(StatsLogger(state.engine.stats, config.log_stats_interval_s).run())
         try:
             yield
         finally:
+            if stats_task is not None:
+                stats_task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await stats_task
             await state.engine.shutdown(config.shutdown_timeout_s)
             state.progress.stop_watchdog()
 
-    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, docs_url=None, redoc_url=None)
+    # /openapi.json and /docs are open even with --api-key (server/openapi.py says why)
+    app = FastAPI(title="Kestrel", version=kestrel.__version__, lifespan=lifespan, docs_url="/docs", redoc_url=None,
+                  description="OpenAI-compatible LLM inference server")
     app.state.kestrel = state
     _add_error_handlers(app)
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -103,7 +120,9 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
+              responses={200: {"model": CompletionResponse, "description": "the completion; with `stream`, "
+                               "server-sent events of chunks, then `data: [DONE]`"}, **ERROR_RESPONSES})
     async def create_completion(request: Request) -> Response:
         _check_auth(request, config.api_key)
         req = _parse(CompletionRequest, await request.body())
@@ -114,21 +133,23 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
             prompts = completions.prompt_token_ids(req, state.engine.tokenizer)
         except Exception as exc:   # noqa: BLE001 - not ready yet, or a prompt the tokenizer refuses
             raise api_error_from(exc, param="prompt") from None
-        gen = Generation(state.engine, state.metrics, prompts, params, "cmpl")
+        gen = Generation(state.engine, state.metrics, prompts, params, "cmpl", config.log_requests)
         return await _respond(request, gen, req.stream, req.stream_options, completions, state,
                               want_logprobs=req.logprobs is not None, param="prompt")
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest),
+              responses={200: {"model": ChatCompletionResponse, "description": "the chat completion; with "
+                               "`stream`, server-sent events of chunks, then `data: [DONE]`"}, **ERROR_RESPONSES})
     async def create_chat_completion(request: Request) -> Response:
         _check_auth(request, config.api_key)
         req = _parse(ChatCompletionRequest, await request.body())
         check_model(req.model, state.model_name)
-        params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req))
+        params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         try:
             prompt = chat.prompt_token_ids(req, state.engine.tokenizer)
         except Exception as exc:   # noqa: BLE001
             raise api_error_from(exc, param="messages") from None
-        gen = Generation(state.engine, state.metrics, [prompt], params, "chatcmpl")
+        gen = Generation(state.engine, state.metrics, [prompt], params, "chatcmpl", config.log_requests)
         return await _respond(request, gen, req.stream, req.stream_options, chat, state,
                               want_logprobs=req.logprobs, param="messages")
 

@@ -27,6 +27,14 @@ def prompt_token_ids(req: ChatCompletionRequest, tokenizer) -> list[int]:
         raise APIError(400, str(exc), param="messages") from None
 
 
+def field_names(req: ChatCompletionRequest) -> dict[str, str]:
+    """SamplingParams names -> the fields this request sent them as, for error messages."""
+    names = {"logprobs": "top_logprobs"}
+    if req.max_completion_tokens is not None:
+        names["max_tokens"] = "max_completion_tokens"
+    return names
+
+
 def max_tokens(req: ChatCompletionRequest) -> int | None:
     return req.max_completion_tokens if req.max_completion_tokens is not None else req.max_tokens
 

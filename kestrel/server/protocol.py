@@ -141,6 +141,18 @@ class ChatCompletionResponse(BaseModel):
     usage: Usage
 
 
+class ErrorInfo(BaseModel):
+    message: str
+    type: str
+    param: str | None = None
+    code: str | int | None = None
+
+
+class ErrorResponse(BaseModel):
+    """Every 4xx/5xx answer: OpenAI's error envelope."""
+    error: ErrorInfo
+
+
 def error_body(message: str, type_: str, param: str | None = None, code: str | int | None = None) -> dict[str, Any]:
     """OpenAI's error envelope: {"error": {"message", "type", "param", "code"}}."""
     return {"error": {"message": message, "type": type_, "param": param, "code": code}}

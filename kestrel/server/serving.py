@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import re
 import time
 import uuid
@@ -18,10 +19,13 @@ from kestrel.frontend.async_engine import (AsyncEngine, Delta, EngineFailure, En
                                          RequestStream)
 from kestrel.errors import KestrelError
 from kestrel.sampling_params import SamplingParams
+from kestrel.server.log_lines import request_line
 from kestrel.server.metrics import SampleTiming, ServerMetrics
 from kestrel.server.protocol import PromptTokensDetails, Usage, error_body
 
 DONE = "data: [DONE]\n\n"
+
+logger = logging.getLogger("kestrel.server")
 
 
 class APIError(Exception):
@@ -56,15 +60,20 @@ def _param_named_in(message: str) -> str | None:
     return m.group(1) if m else None
 
 
-def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> SamplingParams:
-    """The request's sampling fields as SamplingParams; range errors become 400 naming the field."""
+def sampling_params(req, max_tokens: int | None, logprobs: int | None,
+                    field_names: dict[str, str] | None = None) -> SamplingParams:
+    """The request's sampling fields as SamplingParams; range errors become 400 naming the field.
+
+    `field_names`: SamplingParams name -> the request's name for it where they differ (chat's top_logprobs is
+    SamplingParams.logprobs), so the error names the field the client sent."""
+    field_names = field_names or {}
     for name in ("presence_penalty", "frequency_penalty"):
         if getattr(req, name):
             raise APIError(400, f"{name}={getattr(req, name)} is not supported: Kestrel has no penalties yet "
                                 "(send 0 or leave it out)", param=name)
-    if max_tokens is not None and max_tokens < 1:
-        raise APIError(400, f"max_tokens={max_tokens} is invalid: expected an integer >= 1", param="max_tokens")
     try:
+        if max_tokens is not None and max_tokens < 1:
+            raise KestrelError(f"max_tokens={max_tokens} is invalid: expected an integer >= 1")
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if req.temperature is None else req.temperature,
@@ -76,7 +85,12 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None) -> Sampli
             skip_special_tokens=req.skip_special_tokens,
         )
     except KestrelError as exc:
-        raise api_error_from(exc) from None
+        error = api_error_from(exc)
+        if error.param in field_names:
+            alias = field_names[error.param]
+            error.message = error.message.replace(f"{error.param}=", f"{alias}=", 1)
+            error.param = alias
+        raise error from None
 
 
 def check_model(requested: str | None, served: str) -> None:
@@ -102,8 +116,9 @@ class Generation:
     """One HTTP request in the engine: its prompts' streams merged into (choice, delta) events."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[list[int]],
-                 params: SamplingParams, kind: str) -> None:
+                 params: SamplingParams, kind: str, log_request: bool = False) -> None:
         self.engine = engine
+        self.log_request = log_request   # one log line once every choice has finished
         self.metrics = metrics
         self.prompts = prompts
         self.params = params
@@ -177,7 +192,18 @@ class Generation:
             choice.finish_reason = delta.finish_reason
             timing.finish_time, timing.num_tokens, timing.finish_reason = now, choice.num_tokens, delta.finish_reason
             self.metrics.observe_sample(timing)
+            self._log_if_finished()
         return choice
+
+    def _log_if_finished(self) -> None:
+        if not self.log_request or any(c.finish_reason is None for c in self.choices):
+            return
+        self.log_request = False   # once
+        first = [c.timing.first_token_time for c in self.choices if c.timing.first_token_time is not None]
+        usage = self.usage()
+        logger.info("%s", request_line(self.id, usage.prompt_tokens, usage.completion_tokens,
+                                       min(first) - self.arrival if first else None,
+                                       time.monotonic() - self.arrival, [c.finish_reason for c in self.choices]))
 
     def usage(self) -> Usage:
         prompt_tokens = sum(len(p) for p in self.prompts)
@@ -199,6 +225,7 @@ class Generation:
                     c.finish_reason = c.timing.finish_reason = "abort"
                     c.timing.finish_time, c.timing.num_tokens = now, c.num_tokens
                     self.metrics.observe_sample(c.timing)
+            self._log_if_finished()
 
 
 async def run_to_completion(generation: Generation, receive) -> bool:

@@ -47,9 +47,10 @@ class StartupProgress(Progress):
         self._arm_faulthandler()
 
     def fail(self, message: str) -> None:
+        """The terminal phase; /health carries the message. Not logged here: whoever runs the server says it once
+        (`kestrel serve` as its last line, an embedder through KestrelServer.startup_error)."""
         self.error = message
         self.begin("failed")
-        logger.error("startup failed: %s", message)
 
     @property
     def is_ready(self) -> bool:
