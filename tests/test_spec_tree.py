@@ -130,10 +130,10 @@ def test_tree_sampling_keeps_the_first_token_distribution(drafter_dir):
 
     prompt = "The quick brown fox"
     n = 1000
-    params = [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
+    params = [SamplingParams(max_tokens=1 + K + 1, temperature=1.0, ignore_eos=True, seed=i) for i in range(n)]
     plain = LLM(device="cpu").generate([prompt] * n, params)
     llm = LLM(device="cpu", speculative_config=tree_config(drafter_dir))
-    spec = llm.generate([prompt] * n, [SamplingParams(max_tokens=3, temperature=1.0, ignore_eos=True,
+    spec = llm.generate([prompt] * n, [SamplingParams(max_tokens=1 + K + 1, temperature=1.0, ignore_eos=True,
                                                       seed=10_000 + i) for i in range(n)])
     assert llm.engine.spec.counters.num_drafts > 0
     for j in (1, 2):
