@@ -20,6 +20,11 @@ import os
 from dataclasses import dataclass
 
 
+def omp_threads_set() -> bool:
+    """Whether the user chose the intra-op thread count (OpenMP's own variable, which torch honours)."""
+    return "OMP_NUM_THREADS" in os.environ
+
+
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:
     value = os.environ.get(name, default).strip() or default
     if value not in allowed:
