@@ -56,10 +56,10 @@ def test_ngram_takes_vllm_prompt_lookup_keys_and_defaults_to_three_tokens():
 
 def test_kestrel_json_keys_set_tree_shape_synthetic_rate_and_adaptivity(drafter):
     spec = EngineConfig(speculative_config={"method": "eagle3", "model": drafter, "num_speculative_tokens": 3,
-                                            "topk": 4, "num_draft_tokens": 15, "synthetic_acceptance_rate": 0.7,
+                                            "topk": 4, "num_draft_tokens": 10, "synthetic_acceptance_rate": 0.7,
                                             "adaptive": False}).speculative
     assert (spec.topk, spec.num_draft_nodes, spec.synthetic_acceptance_rate, spec.adaptive, spec.is_tree) == \
-        (4, 15, 0.7, False, True)
+        (4, 10, 0.7, False, True)
 
 
 def test_sglang_flags_configure_a_chain_whose_draft_token_count_includes_the_root(drafter):
@@ -73,8 +73,8 @@ def test_sglang_flags_configure_a_chain_whose_draft_token_count_includes_the_roo
 def test_sglang_flags_configure_a_tree(drafter):
     spec = cli("--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", drafter,
                "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
-               "--speculative-num-draft-tokens", "16").speculative
-    assert (spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes) == (3, 4, 15)
+               "--speculative-num-draft-tokens", "11").speculative
+    assert (spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes) == (3, 4, 10)
     assert EngineConfig(speculative_algorithm="EAGLE3", speculative_draft_model_path=drafter,
                         speculative_eagle_topk=2).speculative.num_draft_nodes == 6   # unset: topk * K
 
@@ -127,8 +127,8 @@ def test_each_bad_option_fails_at_construction_with_one_message(options, message
 
 @pytest.mark.parametrize("options, message", [
     (dict(speculative_eagle_topk=0), "topk (--speculative-eagle-topk) 0 is invalid"),
-    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=3), "expected 3..10 draft tokens"),
-    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=12), "expected 3..10 draft tokens"),
+    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=3), "expected 3..6 draft tokens"),
+    (dict(speculative_eagle_topk=2, speculative_num_draft_tokens=12), "expected 3..6 draft tokens"),
     (dict(speculative_config={"prompt_lookup_min": 2}), "apply to method ngram only"),
 ])
 def test_bad_eagle3_tree_options_fail_with_one_message(drafter, options, message):
