@@ -56,16 +56,21 @@ def batch_size_buckets(max_bs: int) -> list[int]:
     return buckets
 
 
-def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
-    """The packed input buffer's fields (see the module docstring) as name -> (offset, length), and its size."""
-    fields = [(name, max_bs * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
-    fields += [("kv_lens", max_bs), ("rows", max_bs)]
-    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
+def pack_fields(fields: list[tuple[str, int]]) -> tuple[dict[str, tuple[int, int]], int]:
+    """Fields laid end to end in one int64 buffer: name -> (offset, length), and the buffer's size."""
     layout, size = {}, 0
     for name, n in fields:
         layout[name] = (size, n)
         size += n
     return layout, size
+
+
+def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
+    """The packed input buffer's fields (see the module docstring) as name -> (offset, length), and its size."""
+    fields = [(name, max_bs * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
+    fields += [("kv_lens", max_bs), ("rows", max_bs)]
+    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
+    return pack_fields(fields)
 
 
 def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
@@ -409,13 +414,22 @@ def capture_verify_graphs(runner, config: EngineConfig, max_model_len: int, quer
     verify = DecodeGraphs(runner, max_bs, -(-max_model_len // config.block_size), config.max_num_seqs, query_len,
                           tree=tree)
     verify.pool = runner.graphs.pool
-    progress.begin("capturing_cuda_graphs", len(verify.buckets), "verify graphs")
-    start = time.monotonic()
-    try:
-        verify.capture(progress)
-    except Exception:  # noqa: BLE001
-        logger.exception("verify graph capture failed; verifying eagerly")
+    seconds = try_capture(verify, "verify graphs", progress)
+    if seconds is None:
         return
     runner.verify_graphs = verify
     logger.info("captured %d verify graphs of %d tokens a sequence (batch sizes %s) in %.1f s", len(verify.buckets),
-                query_len, verify.buckets, time.monotonic() - start)
+                query_len, verify.buckets, seconds)
+
+
+def try_capture(graphs, what: str, progress: Progress) -> float | None:
+    """Capture one family of graphs (their `buckets`, their `capture(progress)`) with progress. A failure is
+    logged and leaves those steps eager (slower, never wrong): None. Else the seconds it took."""
+    progress.begin("capturing_cuda_graphs", len(graphs.buckets), what)
+    start = time.monotonic()
+    try:
+        graphs.capture(progress)
+    except Exception:  # noqa: BLE001 - any capture failure falls back to eager steps
+        logger.exception("%s: capture failed; those steps run eagerly", what)
+        return None
+    return time.monotonic() - start

@@ -28,13 +28,12 @@ back once.
 from __future__ import annotations
 
 import logging
-import time
 
 import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch, ForwardOutput
-from kestrel.forward.decode_graphs import DecodeGraphs
+from kestrel.forward.decode_graphs import DecodeGraphs, pack_fields, try_capture
 from kestrel.progress import Progress
 from kestrel.speculative.proposer import ComputedRows
 
@@ -56,11 +55,7 @@ def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tup
     fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots", "hidden_rows")]
     fields += [(name, max_bs) for name in ("kv_lens", "rows", "last", "draft_pos", "covered")]
     fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
-    layout, size = {}, 0
-    for name, n in fields:
-        layout[name] = (size, n)
-        size += n
-    return layout, size
+    return pack_fields(fields)
 
 
 class DrafterGraphs:
@@ -222,13 +217,9 @@ def capture_drafter_graphs(drafter, kv: tuple[torch.Tensor, torch.Tensor], runne
     backend = type(runner.backend)()
     graphs = DrafterGraphs(drafter, backend, kv, runner.verify_graphs, depth, topk)
     backend.init_graph_buffers(graphs.max_bs, runner.verify_graphs.tables.shape[1], runner.device)
-    progress.begin("capturing_cuda_graphs", len(graphs.buckets), "drafter graphs")
-    start = time.monotonic()
-    try:
-        graphs.capture(progress)
-    except Exception:  # noqa: BLE001
-        logger.exception("drafter graph capture failed; drafting eagerly")
+    seconds = try_capture(graphs, "drafter graphs", progress)
+    if seconds is None:
         return None
-    logger.info("captured %d drafter graphs (%d draft tokens, batch sizes %s) in %.1f s, %.2f GiB", len(graphs.buckets),
-                depth, graphs.buckets, time.monotonic() - start, graphs.memory_bytes / 2**30)
+    logger.info("captured %d drafter graphs (%d steps, top-%d, batch sizes %s) in %.1f s, %.2f GiB",
+                len(graphs.buckets), depth, topk, graphs.buckets, seconds, graphs.memory_bytes / 2**30)
     return graphs
