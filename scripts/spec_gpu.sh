@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# Speculative decoding on one GPU in one device call: the CUDA spec tests, then benchmarks/spec_bench.py (offline
+# chain/tree/adaptive rows and one stream through `kestrel serve`). Logs and JSON go to $OUT (default ./out).
+# Carry .whl (scripts/fetch_gpu_wheels.sh) for the server's packages.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+OUT=${OUT:-out}; mkdir -p "$OUT"
+if ls .whl/*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
+fi
+export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0
+nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
+git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
+timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py 2>&1 \
+  | tail -15 | tee "$OUT/tests.log"
+timeout "${BENCH_TIMEOUT:-400}" python3 -m benchmarks.spec_bench --out "$OUT/spec.json" ${SERVE---serve} \
+  > "$OUT/bench.log" 2>&1
+tail -40 "$OUT/bench.log"
