@@ -79,7 +79,9 @@ def c128(engine: Engine, vocab: int, output_len: int) -> dict:
     return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}
 
 
-def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_topk: int = 3) -> dict:
+def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_topk: int = 3,
+                  quick: bool = False) -> dict:
+    """quick: bs1 only (no speculation, fixed L = 3, adaptive L = 1.15, the tree at L = 3) for a short device call."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(3, 128, vocab, 0)
     out: dict = {}
@@ -88,7 +90,9 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
     engine = Engine(EngineConfig(**common))
     run_requests(engine, prompts[:1], 8)
     run_requests(engine, random_prompts(128, 128, vocab, 2), 4)
-    out["plain"] = {"bs1": single_stream(engine, prompts, output_len), "c128": c128(engine, vocab, output_len)}
+    out["plain"] = {"bs1": single_stream(engine, prompts, output_len)}
+    if not quick:
+        out["plain"]["c128"] = c128(engine, vocab, output_len)
     log.info("plain: %s", out["plain"])
     del engine
     gc.collect()
@@ -113,9 +117,10 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
         log.info("%s", row)
         return row
 
-    out["bs1_fixed"] = [variant(length, adaptive=False) for length in LENGTHS]
-    out["bs1_adaptive"] = [variant(length, adaptive=True) for length in (1.15, 3.0)]
-    out["c128_adaptive"] = [variant(length, adaptive=True, concurrent=True) for length in (3.0, 1.15)]
+    out["bs1_fixed"] = [variant(length, adaptive=False) for length in ((3.0,) if quick else LENGTHS)]
+    out["bs1_adaptive"] = [variant(length, adaptive=True) for length in ((1.15,) if quick else (1.15, 3.0))]
+    out["c128_adaptive"] = [] if quick else [variant(length, adaptive=True, concurrent=True)
+                                             for length in (3.0, 1.15)]
     sd.synthetic_rate, sd.policy.adaptive = rate_for_length(3.0, k), False
     sd.timing = {}
     single_stream(engine, prompts[:1], output_len)
@@ -127,12 +132,12 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
     engine = sd = None   # free the GPU for the tree engine
     gc.collect()
     torch.cuda.empty_cache()
-    out["bs1_tree"] = bench_tree(common, spec, prompts, vocab, k, tree_topk, output_len)
+    out["bs1_tree"] = bench_tree(common, spec, prompts, vocab, k, tree_topk, output_len, (3.0,) if quick else (2.0, 3.0))
     return out
 
 
-def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk: int, output_len: int
-               ) -> list[dict]:
+def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk: int, output_len: int,
+               lengths: tuple[float, ...]) -> list[dict]:
     """bs1 with a tree of K steps x topk candidates (speculative/tree.py); the synthetic mode accepts along its
     chain, so at a given acceptance length this is the chain's speed minus the cost of verifying the larger tree."""
     engine = Engine(EngineConfig(speculative_config=dict(spec, topk=topk), **common))
@@ -140,7 +145,7 @@ def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk
     sd = engine.spec
     sd.policy.adaptive = False
     rows = []
-    for length in (2.0, 3.0):
+    for length in lengths:
         sd.synthetic_rate = rate_for_length(length, k)
         before = counters(engine)
         row = {"target_length": length, "synthetic_rate": sd.synthetic_rate, "topk": topk,
@@ -184,6 +189,7 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--serve-only", action="store_true", help="skip the offline runs")
+    ap.add_argument("--quick", action="store_true", help="bs1 rows only: none, L=3 fixed, L=1.15 adaptive, tree")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -193,7 +199,7 @@ def main() -> int:
     results = {"gpu": torch.cuda.get_device_name(), "shape": args.shape, "k": args.k,
                "date": time.strftime("%Y-%m-%d"), "output_len": args.output_len}
     if not args.serve_only:
-        results["offline"] = bench_offline(target, drafter, args.k, args.output_len)
+        results["offline"] = bench_offline(target, drafter, args.k, args.output_len, quick=args.quick)
         Path(args.out).write_text(json.dumps(results, indent=1))
     gc.collect()   # the offline engines hold most of the GPU: the servers below need it
     torch.cuda.empty_cache()
@@ -225,6 +231,8 @@ def _offline_lines(r: dict) -> str:
         lines.append(f"| tree K={r['k']}x{row['topk']} ({row['draft_tokens']} nodes) fixed L={row['target_length']} "
                      f"| {row['acceptance_length']:.2f} | {row['decode_tok_s']:.1f} | "
                      f"{row['decode_tok_s'] / base:.2f}x |")
+    if "c128" not in off["plain"]:
+        return "\n".join(lines + ["", f"step split at L=3 (ms): {off['step_split_ms_L3']}"])
     c_base = off["plain"]["c128"]["output_tok_s"]
     lines += ["", "| 128 concurrent | out tok/s | vs none |", "|---|---:|---:|", f"| none | {c_base:.0f} | 1.00x |"]
     for row in off["c128_adaptive"]:
