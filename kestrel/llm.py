@@ -151,14 +151,16 @@ def _release(engine: Engine) -> None:
     `runner = llm.engine.runner`) would keep all of it. The collector then runs once, and on CUDA the cached
     blocks go back to the driver, so memory_allocated and nvidia-smi both drop.
     """
-    for request_id in list(getattr(engine, "requests", {})):
-        engine.abort_request(request_id)
     runner = getattr(engine, "runner", None)
     device = getattr(runner, "device", None)
-    for obj in (runner, engine):
-        if obj is not None and hasattr(obj, "__dict__"):
-            obj.__dict__.clear()
-    del runner, engine
+    try:
+        for request_id in list(getattr(engine, "requests", {})):
+            engine.abort_request(request_id)
+    finally:   # an abort that raises must not keep the memory
+        for obj in (runner, engine):
+            if obj is not None and hasattr(obj, "__dict__"):
+                obj.__dict__.clear()
+        del runner, engine
     gc.collect()
     if device is not None and device.type == "cuda":
         import torch
