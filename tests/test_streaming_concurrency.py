@@ -130,3 +130,29 @@ def test_a_reader_that_fell_behind_gets_several_tokens_per_chunk_with_exact_usag
     print(f"tokens per content chunk: {per_chunk}")
     # One chunk per step would be 64 (fewer only where text is held back at a partial UTF-8 character).
     assert max(per_chunk) > 1 and len(per_chunk) <= 32
+
+
+
+def test_a_flood_of_commands_while_the_engine_waits_to_send_events_does_not_deadlock(server):
+    """The event loop is held up while 32 streams run, so the engine's events fill their pipe and the engine waits
+    to write; then the loop sends far more commands than a pipe holds (aborts of unknown ids: no-ops for the
+    engine). Were the engine not reading commands while it waits (engine_process.py's _PipeCommands), each
+    process would wait on the other's pipe forever."""
+    url = f"{server.url}/v1/completions"
+
+    def jam() -> None:
+        time.sleep(STALL_S)
+        for i in range(3000):   # ~400 KB of commands against a 64 KiB pipe
+            server.engine.abort(f"no-such-request-{i:0100d}")
+
+    async def go():
+        limits = httpx.Limits(max_connections=64)
+        async with httpx.AsyncClient(timeout=30, limits=limits) as client:
+            streams = [read_stream(client, url, body(i, True, max_tokens=128),
+                                   on_first=(lambda: server.server._loop.call_soon_threadsafe(jam)) if i == 0
+                                   else None)
+                       for i in range(32)]
+            return await asyncio.gather(*streams)
+
+    for chunks in asyncio.run(go()):
+        assert chunks[-1]["usage"]["completion_tokens"] == 128
