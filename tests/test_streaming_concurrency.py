@@ -127,7 +127,6 @@ def test_a_reader_that_fell_behind_gets_several_tokens_per_chunk_with_exact_usag
     assert text == expected
     per_chunk = check_running_usage(chunks, whole["usage"]["completion_tokens"])
     assert whole["usage"]["completion_tokens"] == 64
-    print(f"tokens per content chunk: {per_chunk}")
     # One chunk per step would be 64 (fewer only where text is held back at a partial UTF-8 character).
     assert max(per_chunk) > 1 and len(per_chunk) <= 32
 
