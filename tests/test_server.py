@@ -230,6 +230,17 @@ def test_models_version_and_cached_tokens(client, server, model_name):
     assert again.usage.prompt_tokens_details.cached_tokens >= 16   # at least one full block reused
 
 
+def test_models_root_is_the_checkpoint_path_where_the_benchmark_finds_the_tokenizer(server, checkpoint, llm):
+    from kestrel.bench.server_info import first_model, model_root, server_info
+    from kestrel.bench.tokenizer import load_tokenizer
+
+    card = httpx.get(f"{server.url}/v1/models").json()["data"][0]
+    assert card["root"] == str(checkpoint.resolve())   # as vLLM reports the path it loaded
+    info = server_info(server.url)   # what `kestrel bench serve` does with no --tokenizer and no --model
+    tokenizer = load_tokenizer(None, (None, first_model(info), model_root(info)))
+    assert tokenizer is not None and tokenizer.encode(PROMPTS[0]) == llm.tokenizer.encode(PROMPTS[0])
+
+
 def test_metrics_count_what_happened(client, server, model_name):
     before_gen = metric(server.url, "kestrel:generation_tokens_total")
     before_prompt = metric(server.url, "kestrel:prompt_tokens_total")

@@ -207,21 +207,40 @@ def engine_process_main(config: EngineConfig, commands, events, stacks, log_leve
         pass
 
 
-class _PipeCommands:
-    def __init__(self, conn) -> None:
-        self.conn = conn
+class _QueueCommands:
+    def __init__(self) -> None:
+        self.queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
 
     def get(self) -> tuple:
-        try:
-            return self.conn.recv()
-        except (EOFError, OSError):   # the server process is gone: stop like a stop command
-            return ("stop",)
+        return self.queue.get()
 
     def get_nowait(self) -> tuple | None:
         try:
-            return self.conn.recv() if self.conn.poll() else None
-        except (EOFError, OSError):
-            return ("stop",)
+            return self.queue.get_nowait()
+        except queue.Empty:
+            return None
+
+
+class _PipeCommands(_QueueCommands):
+    """The server's commands, taken off the pipe by a thread as they arrive and queued for the core.
+
+    The commands pipe must never fill. If it did, the server's event loop would block writing a command and stop
+    reading events, while the engine blocks writing an event and never reads that command: both processes stuck in
+    a pipe write (seen with 256 requests submitted at once, ~300 bytes of "add" each against a 64 KiB pipe).
+    """
+
+    def __init__(self, conn) -> None:
+        super().__init__()
+        threading.Thread(target=self._read, args=(conn,), name="kestrel-commands", daemon=True).start()
+
+    def _read(self, conn) -> None:
+        while True:
+            try:
+                command = conn.recv()
+            except (EOFError, OSError):   # the server process is gone: stop like a stop command
+                self.queue.put(("stop",))
+                return
+            self.queue.put(command)
 
 
 def _answer_stack_requests(conn) -> None:
@@ -307,17 +326,3 @@ class EngineThread:
             if event[0] == "start_failed":
                 self.send(("stop",))
         _post(self.loop, self.on_event, event)
-
-
-class _QueueCommands:
-    def __init__(self) -> None:
-        self.queue: queue.SimpleQueue[tuple] = queue.SimpleQueue()
-
-    def get(self) -> tuple:
-        return self.queue.get()
-
-    def get_nowait(self) -> tuple | None:
-        try:
-            return self.queue.get_nowait()
-        except queue.Empty:
-            return None

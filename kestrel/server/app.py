@@ -27,6 +27,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import kestrel
 from kestrel.config import EngineConfig
+from kestrel.errors import KestrelError
 from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
 from kestrel.server.log_lines import StatsLogger
@@ -58,6 +59,7 @@ class ServerState:
     def __init__(self, engine_config: EngineConfig, config: ServerConfig) -> None:
         self.config = config
         self.model_name = engine_config.model_name
+        self.model_root = model_root(engine_config)
         self.progress = StartupProgress(stall_timeout_s=config.stall_timeout_s)
         self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue,
                                   in_thread=config.engine_in_thread)
@@ -68,6 +70,16 @@ class ServerState:
         if self._token_text is None:
             self._token_text = TokenText(self.engine.tokenizer)
         return self._token_text
+
+
+def model_root(engine_config: EngineConfig) -> str:
+    """/v1/models' `root`: the absolute path of the checkpoint being served (directory or .gguf file), as vLLM
+    reports the path it loaded; `kestrel bench serve` reads the tokenizer from there. The served name when the
+    path cannot be resolved (the engine then fails to start and says why)."""
+    try:
+        return str(engine_config.model_path.expanduser().resolve())
+    except (KestrelError, OSError):
+        return engine_config.model_name
 
 
 def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> FastAPI:
@@ -115,7 +127,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def models(request: Request) -> dict:
         _check_auth(request, config.api_key)
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kestrel",
-                "root": state.model_name}
+                "root": state.model_root, "parent": None}
         if state.engine.ready:
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
