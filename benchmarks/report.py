@@ -154,6 +154,17 @@ def suite_summary(out_dir: Path) -> dict:
         rows.append({"row": f"HTTP overhead per token % ({Path(str(http.get('model'))).name}, "
                             f"{http.get('max_tokens')} tokens)", "current": http["overhead_pct"], "baseline": None,
                      "change_pct": None})
+    for cold_file in sorted(raw.glob("cold_*.json")):   # benchmarks/cold_start.py, every compile cache empty
+        cold = _load(cold_file) or {}
+        name = Path(str(cold.get("model"))).name
+        if cold.get("ready_s") is not None:
+            phases = ", ".join(f"{k} {v:.1f}" for k, v in cold.get("phases_s", {}).items())
+            rows += [{"row": f"{name} cold start s (caches empty: {phases})", "current": cold["ready_s"],
+                      "baseline": None, "change_pct": None},
+                     {"row": f"{name} CUDA graph memory GiB", "current": cold.get("graph_memory_gib"),
+                      "baseline": None, "change_pct": None},
+                     {"row": f"{name} TTFT ms, fresh {cold.get('prompt_len')}-token prompt, streamed p50",
+                      "current": cold.get("ttft_ms_p50"), "baseline": None, "change_pct": None}]
     tests = []
     tests_file = out_dir / "tests.tsv"
     if tests_file.is_file():

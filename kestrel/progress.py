@@ -45,8 +45,8 @@ class Progress:
     def begin(self, phase: str, total: float | None = None, unit: str = "") -> None:
         with self._lock:
             now = time.monotonic()
-            if self.phase != "starting":
-                self.phase_durations[self.phase] = now - self.phase_start
+            # summed: a phase may come back (graph capture runs once per family of graphs)
+            self.phase_durations[self.phase] = self.phase_durations.get(self.phase, 0.0) + now - self.phase_start
             self.phase, self.total, self.done, self.unit = phase, total, 0.0, unit
             self.phase_start = self.last_progress_time = now
             self._last_log = now

@@ -9,7 +9,8 @@
 #
 #   STAGES="bench serve tests"   the stages to run, always in this order (the default: all three; tests/gpu whole
 #                                takes more than what the measurements leave of 10 minutes, so for every file to
-#                                run, give it its own call: STAGES=tests)
+#                                run, give it its own call: STAGES=tests). STAGES=cold (before tests, not in the
+#                                default): benchmarks/cold_start.py per shape, every compile cache empty
 #   MODELS=llama-3.1-8b,qwen3-0.6b   the bench shapes (benchmarks/shapes.py names, or kestrel-tiny)
 #   HF=1                         also time HF transformers eager `generate` on the same weights (slow: ~1 min/shape)
 #   BASELINE_SRC=DIR             before/after: DIR holds another commit's repo root; the bench and serve rows run
@@ -134,6 +135,17 @@ if [[ $STAGES == *" serve "* ]]; then
       -- env -C "$dir" PYTHONPATH="$dir${SITE:+:$SITE}" python3 -m kestrel.cli serve "$serve_target" \
       --port 8011 ${SERVE_ARGS:-}
     say "launch $tree exit $?"
+  done
+fi
+
+if [[ $STAGES == *" cold "* ]]; then
+  # Cold start by phase, CUDA graph memory and fresh-prompt TTFT through kestrel serve, every compile cache empty.
+  for m in ${MODELS//,/ }; do
+    [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
+      "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
+    step "cold start, graph memory, fresh-prompt TTFT: $m shape (compile caches empty)"
+    in_tree cur "$(within 240 0)" python3 -m benchmarks.cold_start "$WORK/$m" --device cuda --out "$RAW/cold_$m.json"
+    say "cold start $m exit $?"
   done
 fi
 

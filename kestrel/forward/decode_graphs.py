@@ -379,6 +379,7 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
     start = time.monotonic()
     torch.cuda.synchronize()
     free_before = torch.cuda.mem_get_info()[0]
+    reserved_before = torch.cuda.memory_reserved()
     try:
         decode.capture(progress)
         runner.graphs = decode
@@ -397,10 +398,14 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
         logger.exception("prefill graph capture failed; prefilling eagerly")
         prefill.buckets = []
     torch.cuda.synchronize()
-    decode.memory_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])   # all graphs share the pool
+    # The graphs' memory is what the caching allocator reserved for them (their shared pool and the warm-up's
+    # buffers); the device-wide figure also counts what CUDA itself took (cuBLAS workspaces, kernel modules).
+    decode.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
+    device_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
     logger.info("captured %d decode graphs (batch sizes %s) and %d prefill graphs (tokens %s) in %.1f s; "
-                "graphs hold %.2f GiB", len(decode.buckets), decode.buckets, len(prefill.buckets),
-                prefill.buckets, time.monotonic() - start, decode.memory_bytes / 2**30)
+                "graphs hold %.2f GiB (allocator; %.2f GiB device-wide)", len(decode.buckets), decode.buckets,
+                len(prefill.buckets), prefill.buckets, time.monotonic() - start, decode.memory_bytes / 2**30,
+                device_bytes / 2**30)
 
 
 VERIFY_GRAPH_MAX_BS = 64   # past this batch size verification is compute-bound and the policy decodes plainly

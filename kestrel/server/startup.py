@@ -57,11 +57,13 @@ class StartupProgress(Progress):
         return self.phase == "ready"
 
     def status(self) -> dict:
-        """The /health body: {"phase", "progress", "elapsed_s"} (+ "error" once failed)."""
+        """The /health body: {"phase", "progress", "elapsed_s", "phases"} (+ "error" once failed)."""
         body = {
             "phase": "stalled" if self.stalled else self.phase,
             "progress": self.fraction(),
             "elapsed_s": round(self.elapsed_s(), 3),
+            # seconds spent in each finished phase, for cold-start reports (benchmarks/cold_start.py)
+            "phases": {name: round(seconds, 3) for name, seconds in self.phase_durations.items()},
         }
         if self.stalled:
             body["stalled_phase"] = self.phase

@@ -1,0 +1,141 @@
+"""Cold start and first-request latency of `kestrel serve`, as a new user meets them.
+
+Every compile cache Kestrel's stack writes (Triton, TorchInductor, the CUDA driver's JIT cache, FlashInfer's and
+torch extensions' builds under XDG_CACHE_HOME) is pointed at a fresh empty directory, so nothing compiled by an
+earlier run is reused, then the server is started and timed:
+
+    ready_s       from starting the process to /health answering 200
+    phases        seconds per startup phase, as the server's /health reports them ("starting" is everything
+                  before the model is resolved: the interpreter, imports, the HTTP server)
+    graph memory  the server log's "graphs hold X GiB" line (the allocator's counters before and after capture)
+    TTFT          streamed /v1/completions with fresh prompts of --prompt-len random token ids (none in the
+                  prefix cache), median of --requests
+
+    python -m benchmarks.cold_start MODEL [--device cuda] [--out cold.json] [-- extra kestrel serve flags]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import httpx
+
+CACHE_VARIABLES = ("TRITON_CACHE_DIR", "TORCHINDUCTOR_CACHE_DIR", "CUDA_CACHE_PATH", "XDG_CACHE_HOME",
+                   "TORCH_EXTENSIONS_DIR", "FLASHINFER_WORKSPACE_BASE")
+
+
+def cold_environment(root: Path) -> dict[str, str]:
+    """This process's environment with every compile cache in a fresh directory under root."""
+    env = dict(os.environ)
+    for name in CACHE_VARIABLES:
+        path = root / name.lower()
+        path.mkdir(parents=True, exist_ok=True)
+        env[name] = str(path)
+    return env
+
+
+def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> dict:
+    """Poll /health until 200; returns its last body with ready_s (from the process's start) added."""
+    start = time.monotonic()
+    body: dict = {}
+    while time.monotonic() - start < timeout_s:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the server exited with status {proc.returncode} before it was ready")
+        try:
+            r = httpx.get(f"{base}/health", timeout=2.0)
+            body = r.json()
+            if r.status_code == 200:
+                return dict(body, ready_s=time.monotonic() - start)
+        except (httpx.HTTPError, ValueError):
+            pass
+        time.sleep(0.05)
+    raise TimeoutError(f"not ready after {timeout_s:.0f} s (last /health: {body})")
+
+
+def streamed_ttft(base: str, model: str, prompt: list[int], max_tokens: int) -> float:
+    """Seconds from sending the request to the first streamed chunk that carries text."""
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
+            "temperature": 0}
+    start = time.perf_counter()
+    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120.0) as r:
+        r.raise_for_status()
+        for line in r.iter_lines():
+            if line.startswith("data: ") and line != "data: [DONE]":
+                if json.loads(line[6:])["choices"][0].get("text"):
+                    return time.perf_counter() - start
+    raise RuntimeError("the stream ended without a token")
+
+
+def graph_memory_gib(log: str) -> float | None:
+    found = re.findall(r"graphs hold ([0-9.]+) GiB", log)
+    return float(found[-1]) if found else None
+
+
+def measure(model: str, device: str, port: int, prompt_len: int, requests: int, serve_args: list[str],
+            timeout_s: float) -> dict:
+    with tempfile.TemporaryDirectory(prefix="kestrel-cold-") as root:
+        log_path = Path(root) / "server.log"
+        cmd = [sys.executable, "-m", "kestrel.cli", "serve", model, "--device", device, "--port", str(port),
+               *serve_args]
+        with open(log_path, "w") as log:
+            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cold_environment(Path(root)))
+        base = f"http://127.0.0.1:{port}"
+        try:
+            health = wait_ready(base, proc, timeout_s)
+            card = httpx.get(f"{base}/v1/models", timeout=5.0).json()["data"][0]
+            vocab = 1000   # random ids well inside any vocabulary
+            rng = random.Random(0)
+            streamed_ttft(base, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)   # warm-up
+            ttfts = [streamed_ttft(base, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)
+                     for _ in range(requests)]
+        finally:
+            proc.terminate()
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+        log_text = log_path.read_text()
+    phases = health.get("phases", {})
+    return {"model": model, "device": device, "ready_s": round(health["ready_s"], 3), "phases_s": phases,
+            "unaccounted_s": round(health["ready_s"] - sum(phases.values()), 3),
+            "graph_memory_gib": graph_memory_gib(log_text), "prompt_len": prompt_len,
+            "ttft_ms_p50": round(1000 * statistics.median(ttfts), 2),
+            "ttft_ms": [round(1000 * t, 2) for t in ttfts], "caches": "fresh (" + ", ".join(CACHE_VARIABLES) + ")"}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    serve_args: list[str] = []
+    if "--" in argv:
+        at = argv.index("--")
+        argv, serve_args = argv[:at], argv[at + 1:]
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("model")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--port", type=int, default=8017)
+    ap.add_argument("--prompt-len", type=int, default=128)
+    ap.add_argument("--requests", type=int, default=5, help="fresh prompts timed for TTFT (their median)")
+    ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for the server to be ready")
+    ap.add_argument("--out", help="write the result JSON here")
+    args = ap.parse_args(argv)
+    result = measure(args.model, args.device, args.port, args.prompt_len, args.requests, serve_args, args.timeout)
+    result["date"] = time.strftime("%Y-%m-%d")
+    if args.out:
+        Path(args.out).write_text(json.dumps(result, indent=1))
+    phases = ", ".join(f"{k} {v:.1f}" for k, v in result["phases_s"].items())
+    print(f"cold start {result['ready_s']:.1f} s ({phases}); graphs {result['graph_memory_gib']} GiB; "
+          f"TTFT p50 {result['ttft_ms_p50']:.1f} ms ({args.prompt_len}-token fresh prompts)")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
