@@ -57,8 +57,10 @@ def test_a_phase_without_progress_is_reported_stalled_with_thread_stacks(caplog)
         assert "loading_weights made no progress" in dump
         assert "test_a_phase_without_progress_is_reported_stalled_with_thread_stacks" in dump   # this thread
         progress.update(50)
-        assert progress.status() == {"phase": "loading_weights", "progress": 0.5,
-                                     "elapsed_s": progress.status()["elapsed_s"]}
+        status = progress.status()
+        assert status == {"phase": "loading_weights", "progress": 0.5, "elapsed_s": status["elapsed_s"],
+                          "phases": status["phases"]}
+        assert set(status["phases"]) == {"starting"}   # finished phases only: loading_weights is still running
     finally:
         progress.stop_watchdog()
 
