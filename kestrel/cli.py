@@ -15,6 +15,8 @@ SUBCOMMANDS = {
     "bench": "kestrel.bench.cli",
     "launch": "kestrel.bench.launch_cli",
     "convert": "kestrel.convert_cli",
+    "train-eagle3": "kestrel.train.train_cli",
+    "eval-drafter": "kestrel.train.eval_cli",
 }
 
 

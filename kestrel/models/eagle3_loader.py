@@ -239,6 +239,26 @@ def _place_weights(drafter: Eagle3Drafter, index: _TensorIndex) -> None:
     placer.check_complete(index.model_dir)
 
 
+def drafter_config_json(target_config: ModelConfig, draft_vocab_size: int | None = None,
+                        hidden_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None
+                        ) -> dict[str, Any]:
+    """config.json of a drafter for `target_config`: the standard EAGLE-3 shape (the target's width, heads, KV
+    heads, head_dim, FFN and rotary; one layer), as SGLang and vLLM read it."""
+    hidden = hidden_size or target_config.hidden_size
+    aux = aux_layer_ids or default_aux_layer_ids(target_config.num_layers)
+    return {
+        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
+        "num_attention_heads": target_config.num_heads, "num_key_value_heads": target_config.num_kv_heads,
+        "head_dim": target_config.head_dim, "intermediate_size": target_config.intermediate_size,
+        "rms_norm_eps": target_config.rms_norm_eps, "rope_theta": target_config.rope_theta,
+        "rope_scaling": target_config.rope_scaling,
+        "max_position_embeddings": target_config.max_position_embeddings, "num_hidden_layers": 1,
+        "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size or target_config.vocab_size,
+        "target_hidden_size": target_config.hidden_size, "tie_word_embeddings": False,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(aux)},
+    }
+
+
 def random_eagle3_checkpoint(out_dir: Path, target_config: ModelConfig, hidden_size: int | None = None,
                              draft_vocab_size: int | None = None, seed: int = 0, dtype: torch.dtype = torch.bfloat16,
                              with_embedding: bool = False, random_vocab_subset: bool = False,
@@ -250,20 +270,9 @@ def random_eagle3_checkpoint(out_dir: Path, target_config: ModelConfig, hidden_s
     random sorted subset."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    hidden = hidden_size or target_config.hidden_size
-    draft_vocab = draft_vocab_size or target_config.vocab_size
-    raw: dict[str, Any] = {
-        "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
-        "num_attention_heads": target_config.num_heads, "num_key_value_heads": target_config.num_kv_heads,
-        "head_dim": target_config.head_dim, "intermediate_size": target_config.intermediate_size,
-        "rms_norm_eps": target_config.rms_norm_eps, "rope_theta": target_config.rope_theta,
-        "rope_scaling": target_config.rope_scaling,
-        "max_position_embeddings": target_config.max_position_embeddings, "num_hidden_layers": 1,
-        "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab,
-        "target_hidden_size": target_config.hidden_size, "tie_word_embeddings": False,
-        "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(default_aux_layer_ids(target_config.num_layers))},
-    }
+    raw = drafter_config_json(target_config, draft_vocab_size, hidden_size)
     raw.update(overrides)
+    draft_vocab = raw["draft_vocab_size"]
     (out_dir / "config.json").write_text(json.dumps(raw, indent=2))
     generator = torch.Generator().manual_seed(seed)
     tensors = _random_tensors(raw, generator, dtype, with_embedding)
