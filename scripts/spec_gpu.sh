@@ -5,10 +5,7 @@
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-out}; mkdir -p "$OUT"
-if ls .whl/*.whl >/dev/null 2>&1; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl >/dev/null 2>&1
-fi
-export PYTHONPATH=$PWD:/tmp/site NCCL_NVLS_ENABLE=0
+source scripts/install_gpu_wheels.sh
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 git rev-parse --short HEAD 2>/dev/null | tee "$OUT/commit.txt"
 timeout "${TEST_TIMEOUT:-150}" python3 -m pytest -q -p no:cacheprovider tests/gpu/test_spec_gpu.py 2>&1 \

@@ -169,7 +169,7 @@ def test_training_writes_the_standard_format_deterministically_and_resumes_to_th
     assert again.final_loss == full.final_loss
     # interrupted after 4 steps, then the same command again
     part = _train(tmp_path / "c", code_prompts, stop_after=4)
-    assert not part.finished and part.steps == 4 and not (tmp_path / "c" / "model.safetensors").exists()
+    assert not part.finished and part.steps == 4 and (tmp_path / "c" / "model.safetensors").exists()
     resumed = _train(tmp_path / "c", code_prompts)
     assert resumed.finished and resumed.steps == 9 and resumed.final_loss == full.final_loss
     a, c = served_state(tmp_path / "a"), served_state(tmp_path / "c")

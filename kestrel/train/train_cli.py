@@ -37,6 +37,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: all epochs)")
     p.add_argument("--stop-after", type=int, default=None,
                    help="checkpoint and exit after this step; the same command resumes (time-boxed sessions)")
+    p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
+                   help="checkpoint and exit once training has run this long (the drafter so far is written; the "
+                        "same command resumes)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW; warmup, then cosine to 10%%)")
@@ -62,6 +65,8 @@ def _check(args: argparse.Namespace) -> None:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise KestrelError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
+    if args.time_limit is not None and args.time_limit <= 0:
+        raise KestrelError(f"--time-limit must be positive (minutes), got {args.time_limit}")
     if args.lr <= 0:
         raise KestrelError(f"--lr must be positive, got {args.lr}")
     if args.gen_temperature == 0 and args.samples_per_prompt > 1:
@@ -82,6 +87,7 @@ def run(args: argparse.Namespace) -> int:
                       max_new_tokens=args.max_new_tokens, gen_temperature=args.gen_temperature,
                       samples_per_prompt=args.samples_per_prompt, draft_vocab_size=args.draft_vocab_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, max_steps=args.steps, stop_after=args.stop_after,
+                      time_limit_s=None if args.time_limit is None else 60 * args.time_limit,
                       batch_size=args.batch_size, max_len=args.max_len, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, seed=args.seed, device=args.device,
                       checkpoint_every=args.checkpoint_every)
@@ -90,10 +96,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"trained {result.steps} steps on {result.num_sequences} sequences ({result.num_answer_tokens} answer "
           f"tokens); final loss {result.final_loss:.3f}, per-step accuracy [{accs}]; draft vocabulary covers "
           f"{100 * result.draft_vocab_coverage:.1f}% of answer tokens")
-    if not result.finished:
-        print(f"stopped after step {result.steps}: rerun the same command to resume")
-        return 0
     print(f"drafter: {result.output}")
+    if not result.finished:
+        print(f"stopped after step {result.steps} of the schedule: rerun the same command to resume")
     if args.skip_eval:
         return 0
     if args.eval_data is not None:

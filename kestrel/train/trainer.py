@@ -51,6 +51,7 @@ class TrainConfig:
     epochs: int = 4
     max_steps: int | None = None             # the schedule's length in optimizer steps (None: all epochs)
     stop_after: int | None = None            # checkpoint and return after this step (resume with the same flags)
+    time_limit_s: float | None = None        # checkpoint and return once training has run this long
     batch_size: int = 8                      # sequences per optimizer step
     max_len: int = 1024                      # tokens kept per training sequence
     lr: float = 1e-4
@@ -73,7 +74,8 @@ class TrainResult:
     num_answer_tokens: int
     draft_vocab_coverage: float
     seconds: dict[str, float]
-    finished: bool   # False: stopped early (--stop-after); the same command resumes
+    finished: bool   # False: stopped early (--stop-after, --time-limit); the drafter so far is written and the
+                     # same command resumes
 
 
 def _device(name: str) -> torch.device:
@@ -221,7 +223,7 @@ def train_eagle3(cfg: TrainConfig) -> TrainResult:
     model.train()
     stop = total if cfg.stop_after is None else min(total, cfg.stop_after)
     with tqdm(total=total, initial=step, desc="training", unit="step") as bar:
-        while step < stop:
+        while step < stop and (cfg.time_limit_s is None or time.monotonic() - started < cfg.time_limit_s):
             epoch, index = divmod(step, per_epoch)
             batch = _pad([feats[i] for i in _batches(feats, cfg.batch_size, cfg.seed, epoch)[index]], head)
             for group in optimizer.param_groups:
@@ -238,13 +240,14 @@ def train_eagle3(cfg: TrainConfig) -> TrainResult:
             losses_log.append(float(loss.detach()))
             bar.update(1)
             bar.set_postfix(loss=f"{losses_log[-1]:.3f}", acc="/".join(f"{a:.2f}" for a in step_accs[:4]))
-            if step % cfg.checkpoint_every == 0 or step == stop:
-                torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step,
-                            "losses": losses_log, "config": _resume_key(cfg)}, ckpt_path)
+            if step % cfg.checkpoint_every == 0:
+                _checkpoint(ckpt_path, model, optimizer, step, losses_log, cfg)
+    _checkpoint(ckpt_path, model, optimizer, step, losses_log, cfg)
     seconds["train"] = time.monotonic() - started
-
-    if step >= total:
-        save_drafter(model, out, work / "config.json")
+    if step < total:
+        logger.info("stopped at step %d of %d: the drafter so far is written; the same command resumes", step,
+                    total)
+    save_drafter(model, out, work / "config.json")
     result = TrainResult(output=out, steps=step, final_loss=losses_log[-1] if losses_log else float("nan"),
                          step_accuracy=step_accs, num_sequences=len(samples),
                          num_answer_tokens=sum(s.num_response_tokens for s in samples),
@@ -254,10 +257,18 @@ def train_eagle3(cfg: TrainConfig) -> TrainResult:
     return result
 
 
+def _checkpoint(path: Path, model: TrainableEagle3, optimizer: torch.optim.Optimizer, step: int,
+                losses: list[float], cfg: TrainConfig) -> None:
+    tmp = path.with_suffix(".tmp")   # a run killed while saving keeps the previous checkpoint
+    torch.save({"model": model.state_dict(), "optimizer": optimizer.state_dict(), "step": step, "losses": losses,
+                "config": _resume_key(cfg)}, tmp)
+    tmp.replace(path)
+
+
 def _resume_key(cfg: TrainConfig) -> dict:
     """The settings a checkpoint must share with the run that resumes it (the step budget may grow)."""
     key = asdict(cfg)
-    for name in ("stop_after", "checkpoint_every", "output", "device"):
+    for name in ("stop_after", "time_limit_s", "checkpoint_every", "output", "device"):
         key.pop(name)
     return key
 

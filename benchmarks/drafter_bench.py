@@ -1,0 +1,167 @@
+"""A trained drafter on a real target: acceptance and bs1 decode speed on held-out prompts, greedy.
+
+    offline (one process, LLM.generate, prompts one at a time):
+        none | EAGLE-3 chain K fixed | EAGLE-3 chain K adaptive | EAGLE-3 tree K x topk fixed | n-gram K fixed
+        each: decode tok/s, acceptance length, acceptance rate, per-position acceptance
+    through `kestrel serve` (--serve), one stream of the same prompts as chat requests: none vs EAGLE-3 chain
+        (the default adaptive policy), measured by `kestrel bench serve`
+
+The prompts are instructions on topics kept out of training (kestrel/train/prompts.py), through the target's chat
+template; answers end at EOS (at most --output-len tokens), as a user's would.
+
+    python -m benchmarks.drafter_bench --target smollm2 --drafter DIR --out drafter.json [--serve]
+"""
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import logging
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from kestrel.llm import LLM
+from kestrel.sampling_params import SamplingParams
+from kestrel.train.prompts import held_out_prompts
+
+log = logging.getLogger("drafter_bench")
+
+
+def bs1(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
+    """Prompts one at a time; decode tok/s = tokens after the first / time after the first token."""
+    params = SamplingParams(max_tokens=output_len, temperature=0.0)
+    llm.generate(prompts[:1], SamplingParams(max_tokens=8, temperature=0.0))   # warm
+    before = llm.engine.stats()
+    tokens, decode_s, wall = 0, 0.0, 0.0
+    for p in prompts:
+        t0 = time.perf_counter()
+        out = llm.generate([p], params)[0]
+        wall += time.perf_counter() - t0
+        n = len(out.outputs[0].token_ids)
+        tokens += n
+        m = out.metrics
+        decode_s += m.finished_time - m.first_token_time
+    after = llm.engine.stats()
+    row: dict[str, Any] = {"output_tokens": tokens, "wall_s": wall,
+                           "decode_tok_s": (tokens - len(prompts)) / decode_s if decode_s else None}
+    if after.spec_num_drafts:
+        steps = after.spec_num_drafts - before.spec_num_drafts
+        drafted = after.spec_num_draft_tokens - before.spec_num_draft_tokens
+        accepted = after.spec_num_accepted_tokens - before.spec_num_accepted_tokens
+        per_pos = [a - (before.spec_accepted_per_pos[i] if i < len(before.spec_accepted_per_pos) else 0)
+                   for i, a in enumerate(after.spec_accepted_per_pos)]
+        row.update(verify_steps=steps, acceptance_rate=accepted / drafted if drafted else None,
+                   acceptance_length=1 + accepted / steps if steps else None,
+                   per_position=[round(a / steps, 3) for a in per_pos] if steps else [])
+    return row
+
+
+def offline(target: str, drafter: str, k: int, topk: int, prompts_text: list[str], output_len: int) -> dict:
+    runs = {"none": None,
+            f"eagle3_chain_k{k}": {"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
+                                   "adaptive": False},
+            f"eagle3_chain_k{k}_adaptive": {"method": "eagle3", "model": drafter, "num_speculative_tokens": k},
+            f"eagle3_tree_k{k}x{topk}": {"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
+                                         "topk": topk, "adaptive": False},
+            f"ngram_k{k}": {"method": "ngram", "num_speculative_tokens": k, "adaptive": False}}
+    out = {}
+    for label, spec in runs.items():
+        t0 = time.perf_counter()
+        llm = LLM(target, speculative_config=spec, cuda_graph_max_bs=8)
+        startup = time.perf_counter() - t0
+        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in prompts_text]
+        out[label] = {"startup_s": startup, **bs1(llm, prompts, output_len)}
+        log.info("%s: %s", label, out[label])
+        llm.shutdown()
+        del llm
+        gc.collect()
+    return out
+
+
+def serve(target: str, drafter: str, k: int, prompts_text: list[str], output_len: int, raw: Path) -> dict:
+    """One stream through `kestrel serve` + `kestrel bench serve` (chat endpoint, the held-out prompts)."""
+    data = raw / "held_out_prompts.jsonl"
+    data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "x"}]})
+                            + "\n" for t in prompts_text))
+    out = {}
+    for label, extra in (("none", []), (f"eagle3_k{k}", ["--speculative-algorithm", "EAGLE3",
+                                                         "--speculative-draft-model-path", drafter,
+                                                         "--speculative-num-steps", str(k)])):
+        result = raw / f"drafter_serve_{label}.json"
+        bench = (f"{sys.executable} -m kestrel.cli bench serve --base-url {{base_url}} --endpoint chat "
+                 f"--dataset-name sharegpt --dataset-path {data} --sharegpt-output-len {output_len} "
+                 f"--num-prompts {len(prompts_text)} --concurrency 1 --no-ignore-eos --label {label} "
+                 f"--no-progress --output {result}")
+        cmd = [sys.executable, "-m", "kestrel.cli", "launch", "--name", f"drafter-{label}", "--port", "8014",
+               "--ready-timeout", "300", "--stall-timeout", "60", "--then", bench, "--",
+               sys.executable, "-m", "kestrel.cli", "serve", target, "--port", "8014", *extra]
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
+        if proc.returncode != 0 or not result.exists():
+            out[label] = {"error": (proc.stdout + proc.stderr)[-1500:]}
+            continue
+        out[label] = json.loads(result.read_text())
+    return out
+
+
+def summary(r: dict) -> str:
+    lines = [f"trained drafter · {r['gpu']} · {r['target']} · {r['prompts']} held-out prompts · {r['date']}", "",
+             "| run | acceptance length | rate | per position | bs1 decode tok/s | vs none |",
+             "|---|---:|---:|---|---:|---:|"]
+    base = r["offline"]["none"]["decode_tok_s"]
+    for label, row in r["offline"].items():
+        al = row.get("acceptance_length")
+        lines.append(f"| {label} | {al:.2f} | {row['acceptance_rate']:.2f} | {row['per_position']} | "
+                     f"{row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |" if al else
+                     f"| {label} | — | — | — | {row['decode_tok_s']:.1f} | {row['decode_tok_s'] / base:.2f}x |")
+    srv = r.get("serve")
+    if srv:
+        def tps(x: dict) -> float | None:
+            try:
+                return x["runs"][0]["summary"]["output_throughput"]
+            except (KeyError, IndexError, TypeError):
+                return None
+        got = {label: tps(x) for label, x in srv.items()}
+        base_s = got.get("none")
+        parts = [f"{label} {v:.1f} tok/s" + (f" ({v / base_s:.2f}x)" if base_s and v else "")
+                 if v else f"{label} failed: {str(srv[label].get('error', '?'))[-300:]}" for label, v in got.items()]
+        lines += ["", "through kestrel serve, one stream: " + ", ".join(parts)]
+    return "\n".join(lines)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--drafter", required=True)
+    ap.add_argument("--k", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=4)
+    ap.add_argument("--prompts", type=int, default=16)
+    ap.add_argument("--output-len", type=int, default=256)
+    ap.add_argument("--serve", action="store_true")
+    ap.add_argument("--serve-only", action="store_true")
+    ap.add_argument("--out", required=True)
+    args = ap.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    prompts = held_out_prompts(args.prompts, seed=1)
+    r: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
+                         "target": args.target, "drafter": args.drafter, "k": args.k, "topk": args.topk,
+                         "prompts": len(prompts), "output_len": args.output_len, "date": time.strftime("%Y-%m-%d")}
+    if not args.serve_only:
+        r["offline"] = offline(args.target, args.drafter, args.k, args.topk, prompts, args.output_len)
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    if args.serve or args.serve_only:
+        r["serve"] = serve(args.target, args.drafter, args.k, prompts, args.output_len, Path(args.out).parent)
+        Path(args.out).write_text(json.dumps(r, indent=1))
+    if "offline" in r:
+        print(summary(r))
+    else:
+        print(json.dumps(r.get("serve"), indent=1)[:3000])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
