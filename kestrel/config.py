@@ -10,6 +10,9 @@ from kestrel.errors import KestrelError
 from kestrel.speculative.config import SpeculativeConfig, resolve_speculative
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel-tiny"
+# The default model's EAGLE-3 drafter (trained by `kestrel train-eagle3`, MODEL_CARD.md beside it): speculation
+# with --speculative-algorithm EAGLE3 and no drafter path works out of the box.
+DEFAULT_DRAFTER_DIR = DEFAULT_MODEL_DIR.parent / "kestrel-tiny-eagle3"
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +71,13 @@ class EngineConfig:
         return resolve_speculative(self.speculative_config, self.speculative_algorithm,
                                    self.speculative_draft_model_path, self.speculative_num_steps,
                                    self.speculative_eagle_topk, self.speculative_num_draft_tokens,
-                                   self.speculative_disable_adaptive, self.speculative_synthetic_acceptance_rate)
+                                   self.speculative_disable_adaptive, self.speculative_synthetic_acceptance_rate,
+                                   self._default_drafter())
+
+    def _default_drafter(self) -> str | None:
+        """The shipped drafter, when the target is the default model and the drafter is there."""
+        default = not self.model or Path(self.model).resolve() == DEFAULT_MODEL_DIR
+        return str(DEFAULT_DRAFTER_DIR) if default and DEFAULT_DRAFTER_DIR.is_dir() else None
 
     @property
     def model_path(self) -> Path:

@@ -101,7 +101,8 @@ def test_engine_config_stays_frozen(drafter):
     (dict(speculative_config={"num_speculative_tokens": 2}), "needs \"method\""),
     (dict(speculative_config={"method": "medusa"}), "'medusa' is not supported: expected one of ('eagle3', 'ngram')"),
     (dict(speculative_algorithm="EAGLE"), "'eagle' is not supported"),
-    (dict(speculative_algorithm="EAGLE3"), "eagle3 needs the drafter's directory"),
+    (dict(model="smollm2", speculative_algorithm="EAGLE3"), "eagle3 needs the drafter's directory"),
+    (dict(model="smollm2", speculative_config={"method": "eagle3"}), "eagle3 needs the drafter's directory"),
     (dict(speculative_algorithm="EAGLE3", speculative_draft_model_path="/no/such/dir"), "is not a directory"),
     (dict(speculative_algorithm="NGRAM", speculative_draft_model_path="/x"), "takes no model"),
     (dict(speculative_algorithm="NGRAM", speculative_num_steps=0), "--speculative-num-steps) 0 is invalid"),
@@ -140,3 +141,13 @@ def test_bad_eagle3_tree_options_fail_with_one_message(drafter, options, message
     with pytest.raises(KestrelError) as err:
         EngineConfig(**options)
     assert message in str(err.value) and "\n" not in str(err.value)
+
+
+def test_the_default_model_drafts_with_its_shipped_drafter_when_none_is_named():
+    from kestrel.config import DEFAULT_DRAFTER_DIR
+
+    assert (DEFAULT_DRAFTER_DIR / "config.json").is_file(), "models/kestrel-tiny-eagle3 ships with the repo"
+    for options in (dict(speculative_algorithm="EAGLE3"), dict(speculative_config={"method": "eagle3"})):
+        assert EngineConfig(**options).speculative.model == str(DEFAULT_DRAFTER_DIR)
+    named = EngineConfig(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(DEFAULT_DRAFTER_DIR))
+    assert named.speculative.model == str(DEFAULT_DRAFTER_DIR)

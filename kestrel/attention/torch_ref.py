@@ -90,5 +90,29 @@ class TorchAttentionBackend(AttentionBackend):
     def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
         if k is not None:   # None: the model's attention prologue already wrote this step's K/V
             store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+        if q.device.type == "cpu" and batch.tree_mask is None and batch.max_query_len > 1 \
+                and batch.kv_lens.numel() > 1:
+            return _attend_in_groups(q, k_cache, v_cache, batch, scale)
         return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,
                                batch.max_query_len, batch.max_kv_len, scale, batch.tree_mask)
+
+
+def _attend_in_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
+                      scale: float) -> torch.Tensor:
+    """A mixed step on the CPU: the single-token rows together, each longer chunk alone. One padded call would
+    cost sequences x longest chunk x longest context (a 600-token prompt beside 255 decodes: 256 x 600 x 700
+    scores a head), where this costs what each sequence needs. CPU only: the lengths are read on the host."""
+    starts = batch.query_start_loc.tolist()
+    kv_lens = batch.kv_lens.tolist()
+    singles = [s for s in range(len(kv_lens)) if starts[s + 1] - starts[s] == 1]
+    groups = ([singles] if singles else []) + \
+        [[s] for s in range(len(kv_lens)) if starts[s + 1] - starts[s] > 1]
+    out = torch.empty_like(q)
+    for seqs in groups:
+        rows = torch.cat([torch.arange(starts[s], starts[s + 1]) for s in seqs])
+        index = torch.tensor(seqs)
+        lens = [starts[s + 1] - starts[s] for s in seqs]
+        loc = torch.tensor([0] + lens, dtype=batch.query_start_loc.dtype).cumsum(0)
+        out[rows] = paged_attention(q[rows], k_cache, v_cache, batch.block_table[index], loc,
+                                    batch.kv_lens[index], max(lens), max(kv_lens[s] for s in seqs), scale)
+    return out

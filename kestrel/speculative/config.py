@@ -43,7 +43,8 @@ class SpeculativeConfig:
         if self.method == "eagle3":
             if not self.model:
                 raise KestrelError("speculative method eagle3 needs the drafter's directory: set \"model\" in "
-                                   "--speculative-config or --speculative-draft-model-path")
+                                   "--speculative-config or --speculative-draft-model-path (only the default "
+                                   "model ships one; `kestrel train-eagle3` trains one for any model)")
             if not Path(self.model).is_dir():
                 raise KestrelError(f"speculative drafter {self.model!r} is not a directory: expected an EAGLE-3 "
                                    "checkpoint directory (config.json + safetensors)")
@@ -97,8 +98,9 @@ def normalize_method(name: str) -> str:
     return name.strip().strip("[]").lower().replace("-", "").replace("_", "")
 
 
-def parse_speculative_json(value: str | dict) -> SpeculativeConfig:
-    """vLLM's --speculative-config (a JSON object) or `LLM(speculative_config={...})`, plus Kestrel's keys."""
+def parse_speculative_json(value: str | dict, default_drafter: str | None = None) -> SpeculativeConfig:
+    """vLLM's --speculative-config (a JSON object) or `LLM(speculative_config={...})`, plus Kestrel's keys.
+    default_drafter: the drafter eagle3 uses when "model" is not given (the default model ships one)."""
     value = _json_object(value)
     unknown = sorted(set(value) - set(JSON_KEYS))
     if unknown:
@@ -124,6 +126,8 @@ def parse_speculative_json(value: str | dict) -> SpeculativeConfig:
         raise KestrelError(f"--speculative-config 'adaptive' must be true or false, got {fields['adaptive']!r}")
     if fields.get("num_speculative_tokens") is None:
         fields["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS
+    if fields["method"] == "eagle3" and not fields.get("model"):
+        fields["model"] = default_drafter
     return SpeculativeConfig(**fields)
 
 
@@ -131,8 +135,10 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
                         speculative_draft_model_path: str | None, speculative_num_steps: int | None,
                         speculative_eagle_topk: int | None, speculative_num_draft_tokens: int | None,
                         speculative_disable_adaptive: bool,
-                        speculative_synthetic_acceptance_rate: float | None) -> SpeculativeConfig | None:
+                        speculative_synthetic_acceptance_rate: float | None,
+                        default_drafter: str | None = None) -> SpeculativeConfig | None:
     """EngineConfig's speculative fields (named as the flags) -> a SpeculativeConfig, or None when off.
+    default_drafter: the EAGLE-3 drafter used when none is named (the default model's shipped one).
 
     The vLLM form (`speculative_config`) and the SGLang flags exclude each other; Kestrel's two flags
     (--speculative-disable-adaptive, --speculative-synthetic-acceptance-rate) go with either form."""
@@ -151,7 +157,7 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
         raise KestrelError(f"speculative decoding configured twice: --speculative-config and {sglang_given}; "
                            "use vLLM's JSON or SGLang's flags, not both")
     if speculative_config is not None:
-        spec = parse_speculative_json(speculative_config)
+        spec = parse_speculative_json(speculative_config, default_drafter)
         json_keys = set(_json_object(speculative_config))
         if speculative_disable_adaptive:
             if "adaptive" in json_keys:
@@ -175,7 +181,7 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
                            "the last verified token too, so expected >= 2")
     return SpeculativeConfig(
         method=method,
-        model=speculative_draft_model_path,
+        model=speculative_draft_model_path or (default_drafter if method == "eagle3" else None),
         num_speculative_tokens=DEFAULT_SPECULATIVE_TOKENS if speculative_num_steps is None else speculative_num_steps,
         topk=1 if speculative_eagle_topk is None else speculative_eagle_topk,
         # SGLang counts the root (the last verified token) among the draft tokens; Kestrel does not.
