@@ -23,7 +23,7 @@ def windows(path: Path, lines_per_prompt: int, per_file: int, rng: random.Random
         lines = path.read_text(encoding="utf-8").splitlines()
     except (UnicodeDecodeError, OSError):
         return []
-    if len(lines) < lines_per_prompt:
+    if len(lines) < lines_per_prompt or max(map(len, lines)) > 400:   # no data blobs (base64, tables)
         return []
     starts = [0] + sorted(rng.sample(range(1, len(lines) - lines_per_prompt + 1),
                                      min(per_file - 1, len(lines) - lines_per_prompt)))

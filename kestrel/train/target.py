@@ -13,6 +13,7 @@ Per training sequence of T tokens, kept on the training device:
 """
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -23,6 +24,8 @@ from kestrel.forward.batch import build_forward_batch
 from kestrel.llm import LLM
 from kestrel.sampling_params import SamplingParams
 from kestrel.train.data import Prompt, Sample
+
+logger = logging.getLogger("kestrel.train")
 
 GENERATE_CHUNK = 256   # prompts handed to the engine at once: enough to fill a batch, few enough to show progress
 
@@ -70,11 +73,13 @@ class Target:
         return [Prompt(token_ids=tuple((bos or [0]) + o.outputs[0].token_ids)) for o in outs]
 
     def answer(self, prompts: list[Prompt], max_new_tokens: int, temperature: float, samples_per_prompt: int,
-               seed: int, on_progress: Callable[[int], None] | None = None) -> list[Sample]:
+               seed: int, max_len: int, on_progress: Callable[[int], None] | None = None) -> list[Sample]:
         """The target's own answers: each prompt's tokens then up to max_new_tokens generated ones (its EOS kept:
-        the drafter learns where answers end too). Prompts too long for the context are skipped."""
+        the drafter learns where answers end too). Prompts that leave no room for a whole answer within max_len
+        training tokens (or the context) are skipped: their answer would be cut, and one very long prompt slows
+        every step of the batch it joins."""
         samples: list[Sample] = []
-        room = self.max_model_len - max_new_tokens
+        room = min(self.max_model_len, max_len) - max_new_tokens
         todo = [(i, ids) for i, ids in enumerate(self.prompt_ids(p) for p in prompts) if 0 < len(ids) <= room]
         for start in range(0, len(todo), GENERATE_CHUNK):
             chunk = todo[start:start + GENERATE_CHUNK]
@@ -86,6 +91,9 @@ class Target:
                         samples.append(Sample(tuple(ids) + tuple(completion.token_ids), len(ids)))
             if on_progress is not None:
                 on_progress(len(chunk))
+        if len(todo) < len(prompts):
+            logger.info("skipped %d of %d prompts longer than %d tokens", len(prompts) - len(todo), len(prompts),
+                        room)
         return samples
 
     # ---- states ---------------------------------------------------------------------------------------------

@@ -118,7 +118,7 @@ def _collect(cfg: TrainConfig, target: Target, work: Path, device: torch.device,
         prompts = _prompts(cfg, target)
         with tqdm(total=len(prompts), desc="target answers", unit="prompt") as bar:
             samples = target.answer(prompts, cfg.max_new_tokens, cfg.gen_temperature, cfg.samples_per_prompt,
-                                    cfg.seed, bar.update)
+                                    cfg.seed, cfg.max_len, bar.update)
         _save_samples(samples_path, samples)
     if not samples:
         raise KestrelError("no training sequences: every prompt was empty or too long for the target's context")
