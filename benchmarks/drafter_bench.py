@@ -27,7 +27,9 @@ import torch
 
 from kestrel.llm import LLM
 from kestrel.sampling_params import SamplingParams
+from kestrel.train.data import Prompt, instruction_prompts, load_prompts
 from kestrel.train.prompts import held_out_prompts
+from kestrel.train.target import Target
 
 log = logging.getLogger("drafter_bench")
 
@@ -61,7 +63,8 @@ def bs1(llm: LLM, prompts: list[list[int]], output_len: int) -> dict:
     return row
 
 
-def offline(target: str, drafter: str, k: int, topk: int, prompts_text: list[str], output_len: int) -> dict:
+def offline(target: str | None, drafter: str, k: int, topk: int, prompts_in: list[Prompt], output_len: int,
+            device: str | None = None) -> dict:
     runs = {"none": None,
             f"eagle3_chain_k{k}": {"method": "eagle3", "model": drafter, "num_speculative_tokens": k,
                                    "adaptive": False},
@@ -72,9 +75,9 @@ def offline(target: str, drafter: str, k: int, topk: int, prompts_text: list[str
     out = {}
     for label, spec in runs.items():
         t0 = time.perf_counter()
-        llm = LLM(target, speculative_config=spec, cuda_graph_max_bs=8)
+        llm = LLM(target, speculative_config=spec, cuda_graph_max_bs=8, **({"device": device} if device else {}))
         startup = time.perf_counter() - t0
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": t}]) for t in prompts_text]
+        prompts = [Target(llm).prompt_ids(p) for p in prompts_in]
         out[label] = {"startup_s": startup, **bs1(llm, prompts, output_len)}
         log.info("%s: %s", label, out[label])
         llm.shutdown()
@@ -83,11 +86,12 @@ def offline(target: str, drafter: str, k: int, topk: int, prompts_text: list[str
     return out
 
 
-def serve(target: str, drafter: str, k: int, prompts_text: list[str], output_len: int, raw: Path) -> dict:
+def serve(target: str | None, drafter: str, k: int, prompts_in: list[Prompt], output_len: int, raw: Path) -> dict:
     """One stream through `kestrel serve` + `kestrel bench serve` (chat endpoint, the held-out prompts)."""
     data = raw / "held_out_prompts.jsonl"
+    turns = [p.messages[-1]["content"] if p.messages else p.text for p in prompts_in]
     data.write_text("".join(json.dumps({"conversations": [{"from": "human", "value": t}, {"from": "gpt", "value": "x"}]})
-                            + "\n" for t in prompts_text))
+                            + "\n" for t in turns))
     out = {}
     for label, extra in (("none", []), (f"eagle3_k{k}", ["--speculative-algorithm", "EAGLE3",
                                                          "--speculative-draft-model-path", drafter,
@@ -95,11 +99,11 @@ def serve(target: str, drafter: str, k: int, prompts_text: list[str], output_len
         result = raw / f"drafter_serve_{label}.json"
         bench = (f"{sys.executable} -m kestrel.cli bench serve --base-url {{base_url}} --endpoint chat "
                  f"--dataset-name sharegpt --dataset-path {data} --sharegpt-output-len {output_len} "
-                 f"--num-prompts {len(prompts_text)} --concurrency 1 --no-ignore-eos --label {label} "
+                 f"--num-prompts {len(prompts_in)} --concurrency 1 --no-ignore-eos --label {label} "
                  f"--no-progress --output {result}")
         cmd = [sys.executable, "-m", "kestrel.cli", "launch", "--name", f"drafter-{label}", "--port", "8014",
                "--ready-timeout", "300", "--stall-timeout", "60", "--then", bench, "--",
-               sys.executable, "-m", "kestrel.cli", "serve", target, "--port", "8014", *extra]
+               sys.executable, "-m", "kestrel.cli", "serve", *([target] if target else []), "--port", "8014", *extra]
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=420)
         if proc.returncode != 0 or not result.exists():
             out[label] = {"error": (proc.stdout + proc.stderr)[-1500:]}
@@ -135,7 +139,8 @@ def summary(r: dict) -> str:
 
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--target", default="smollm2")
+    ap.add_argument("--target", default=None, help="default: the default model")
+    ap.add_argument("--data", help="held-out prompts JSONL (default: instructions on held-out topics)")
     ap.add_argument("--drafter", required=True)
     ap.add_argument("--k", type=int, default=3)
     ap.add_argument("--topk", type=int, default=4)
@@ -143,15 +148,17 @@ def main() -> int:
     ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--serve", action="store_true")
     ap.add_argument("--serve-only", action="store_true")
+    ap.add_argument("--device", default=None, help="default: cuda when there is one")
     ap.add_argument("--out", required=True)
     args = ap.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
-    prompts = held_out_prompts(args.prompts, seed=1)
+    prompts = load_prompts(args.data)[:args.prompts] if args.data else \
+        instruction_prompts(held_out_prompts(args.prompts, seed=1))
     r: dict[str, Any] = {"gpu": torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu",
-                         "target": args.target, "drafter": args.drafter, "k": args.k, "topk": args.topk,
+                         "target": args.target or "kestrel-tiny", "drafter": args.drafter, "k": args.k, "topk": args.topk,
                          "prompts": len(prompts), "output_len": args.output_len, "date": time.strftime("%Y-%m-%d")}
     if not args.serve_only:
-        r["offline"] = offline(args.target, args.drafter, args.k, args.topk, prompts, args.output_len)
+        r["offline"] = offline(args.target, args.drafter, args.k, args.topk, prompts, args.output_len, args.device)
         Path(args.out).write_text(json.dumps(r, indent=1))
     if args.serve or args.serve_only:
         r["serve"] = serve(args.target, args.drafter, args.k, prompts, args.output_len, Path(args.out).parent)
