@@ -41,6 +41,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
     With tree_mask [S, max_query_len, max_query_len] bool (base.py draws it), query i sees every key before the
     step and the step's key j iff tree_mask[s, i, j], instead of the step's keys 0 .. i."""
+    if max_query_len == 1 and tree_mask is None:
+        return decode_attention(q, k_cache, v_cache, block_table, kv_lens, max_kv_len, scale)
     num_seqs = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -76,6 +78,25 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     valid = (k_pos[None, :] < kv_lens.long()[:, None])[:, :, None, None]
     out = torch.einsum("shqk,skhd->sqhd", probs, values.float().masked_fill(~valid, 0.0))
     return out[token_seq, token_idx].to(q.dtype)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
+                     kv_lens: torch.Tensor, max_kv_len: int, scale: float) -> torch.Tensor:
+    """paged_attention for one query token a sequence, [S, Hq, D]: the query heads grouped by their KV head, so the
+    gathered keys and values are read as they are, never repeated per query head (a 245-sequence CPU decode step
+    spent most of its time copying them)."""
+    num_seqs, num_heads, head_dim = q.shape
+    num_kv_heads = k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    keys = gather_kv(k_cache, block_table, max_kv_len).transpose(1, 2).float()      # [S, Hkv, K, D]
+    values = gather_kv(v_cache, block_table, max_kv_len).transpose(1, 2).float()
+    valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens.long()[:, None]   # [S, K]
+    values = values.masked_fill(~valid[:, None, :, None], 0.0)   # junk past a sequence's end: 0 * NaN is NaN
+    qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
+    scores = torch.matmul(qg, keys.transpose(2, 3)) * scale                           # [S, Hkv, G, K]
+    scores = scores.masked_fill(~valid[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)
+    return torch.matmul(probs, values).reshape(num_seqs, num_heads, head_dim).to(q.dtype)
 
 
 class TorchAttentionBackend(AttentionBackend):
