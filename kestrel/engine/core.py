@@ -4,7 +4,7 @@ is owned (the engine process by default, a thread with --engine-in-thread) and s
     commands (server -> core)                      events (core -> server), one per step, never per token
     ("add", request_id, prompt_token_ids, params)  ("ready", EngineLimits, model_eos_ids, stats)
     ("abort", request_id)                          ("start_failed", message)
-    ("finish", request_id, sample_index)           ("step", [update tuples], stats)      see engine/messages.py
+    ("finish", request_id, sample_index)           ("step", [update tuples], stats, emitted)  engine/messages.py
     ("fail_next_forward", message)   tests         ("refused", request_id, "invalid" | "error", message)
     ("stop",)                                      ("failed", [request_ids], message)   a step raised
     ("ack",)                                       ("progress", "begin" | "update", args)  startup, answered by
@@ -16,6 +16,7 @@ Requests are validated by the server before they are sent (EngineLimits), so "re
 from __future__ import annotations
 
 import logging
+import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from kestrel.config import EngineConfig
@@ -73,7 +74,7 @@ def _step_loop(engine: Engine, commands: Commands, send: Send) -> None:
             _apply(engine, cmd, live, send)
         if not engine.has_unfinished():
             if batch:   # aborts changed the cache: publish fresh stats
-                send(("step", [], encode_stats(engine.stats())))
+                send(("step", [], encode_stats(engine.stats()), time.monotonic()))
             continue
         try:
             updates = engine.step()
@@ -87,12 +88,13 @@ def _step_loop(engine: Engine, commands: Commands, send: Send) -> None:
                     logger.exception("abort of %s after a failed step also failed", request_id)
             live.clear()
             send(("failed", failed, f"engine error: {type(exc).__name__}: {exc}"))
-            send(("step", [], _safe_stats(engine)))
+            send(("step", [], _safe_stats(engine), time.monotonic()))
             continue
         # Stats ride on every step; the radix tree walk inside them is redone at most every 50 ms while busy,
         # and always on the step that leaves the engine idle (that count stays on /metrics).
         busy = engine.has_unfinished()
-        send(("step", live.encode(updates), encode_stats(engine.stats(max_age_s=0.05 if busy else 0.0))))
+        send(("step", live.encode(updates), encode_stats(engine.stats(max_age_s=0.05 if busy else 0.0)),
+              time.monotonic()))
 
 
 def _apply(engine: Engine, cmd: tuple, live: _LiveRequests, send: Send) -> None:
@@ -141,11 +143,11 @@ def _safe_stats(engine: Engine) -> tuple | None:
 
 
 class _LiveRequests:
-    """Core-side bookkeeping: the unfinished samples of each request, and their queue time once scheduled."""
+    """Core-side bookkeeping: the unfinished samples of each request, and their first stamps once sent."""
 
     def __init__(self) -> None:
         self._open: dict[str, dict[int, Sequence | None]] = {}   # request id -> sample index -> its Sequence
-        self._reported: set[tuple[str, int]] = set()              # samples whose queue time was sent
+        self._reported: set[tuple[str, int]] = set()              # samples whose first stamps were sent
 
     def ids(self) -> list[str]:
         return list(self._open)
@@ -173,17 +175,17 @@ class _LiveRequests:
         return True
 
     def encode(self, updates: list[SampleUpdate]) -> list[tuple]:
-        """Wire tuples of one step's updates, with each sample's queue time on its first update; closes
-        finished samples."""
+        """Wire tuples of one step's updates, with each sample's arrival, first-scheduled and first-token stamps
+        on its first update; closes finished samples."""
         out = []
         for u in updates:
             key = (u.request_id, u.index)
             seq = self._open.get(u.request_id, {}).get(u.index)
-            queue_time = None
+            stamps = None
             if seq is not None and key not in self._reported and seq.first_scheduled_time is not None:
                 self._reported.add(key)
-                queue_time = seq.first_scheduled_time - seq.arrival_time
+                stamps = (seq.arrival_time, seq.first_scheduled_time, seq.first_token_time)
             if u.finished:
                 self.sample_done(u.request_id, u.index)
-            out.append(encode_update(u, queue_time))
+            out.append(encode_update(u, stamps))
         return out

@@ -89,15 +89,17 @@ class EngineLimits:
 
 # ---- wire forms: tuples pickle several times faster than dataclasses ---------------------------------------------
 #   update: (request_id, index, new_token_ids, logprobs, finished, finish_reason, num_prompt_tokens,
-#            num_cached_tokens, queue_time_s)
+#            num_cached_tokens, first_stamps)
 #     logprobs: None or [(token_id, logprob, [(token_id, logprob), ...]), ...]
-#     queue_time_s: on a sample's first update, seconds it waited to be scheduled; else None
+#     first_stamps: on a sample's first update, its (arrival, first scheduled, first token) time.monotonic()
+#       stamps (one clock for every process of the host: the server subtracts its own from them); else None
+#   step event: ("step", [update, ...], stats, emitted): emitted, time.monotonic() as the event is sent
 #   stats: EngineStats's fields in declaration order (a new field travels without a change here)
 
-def encode_update(u: SampleUpdate, queue_time_s: float | None) -> tuple:
+def encode_update(u: SampleUpdate, first_stamps: tuple[float, float, float | None] | None) -> tuple:
     lps = None if u.new_logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in u.new_logprobs]
     return (u.request_id, u.index, u.new_token_ids, lps, u.finished, u.finish_reason, u.num_prompt_tokens,
-            u.num_cached_tokens, queue_time_s)
+            u.num_cached_tokens, first_stamps)
 
 
 def decode_logprobs(wire: list[tuple] | None) -> list[TokenLogprob] | None:
