@@ -7,6 +7,7 @@ once ready) and rebuilds these objects from tuples, one message per engine step.
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
+from itertools import repeat
 
 from kestrel.errors import KestrelError
 from kestrel.sampling_params import SamplingParams
@@ -64,8 +65,11 @@ class EngineLimits:
         if n == 0:
             raise KestrelError("the prompt is empty: at least one token is needed")
         vocab = self.vocab_size
-        bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
+        # Scanned in C (map, min, max: ~4 us for 128 tokens, a Python loop ~18 us): this runs on every request's
+        # path to its first token, twice (the server, then the engine's backstop); the loop only names the culprit.
+        if not (all(map(isinstance, prompt_token_ids, repeat(int))) and min(prompt_token_ids) >= 0
+                and max(prompt_token_ids) < vocab):
+            bad = [t for t in prompt_token_ids if not isinstance(t, int) or not 0 <= t < vocab]
             raise KestrelError(f"prompt token id {bad[0]!r} is out of range: expected integers in [0, {vocab})")
         bad = [t for t in params.stop_token_ids if not 0 <= t < vocab]
         if bad:
