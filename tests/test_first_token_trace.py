@@ -124,3 +124,14 @@ def test_stages_are_consecutive_and_add_up_to_received_to_written():
         setattr(trace, name, t)
     assert sum(trace.stages().values()) == pytest.approx(trace.written - trace.received)
     assert FirstTokenTrace(1.0, parsed=1.5).stages() == {"http_parse": 0.5}
+
+
+def test_the_breakdown_script_reports_median_stages_of_fresh_prompts(server):
+    from benchmarks.ttft_breakdown import measure, table
+
+    r = measure(server.url, prompt_len=24, requests=5, warmup=1, max_tokens=2, seed=3)
+    assert len(r["runs"]) == 5 and set(r["stages_ms_p50"]) == set(STAGE_NAMES)
+    for run in r["runs"]:
+        assert all(ms >= 0 for ms in run["stages_ms"].values())
+        assert run["server_ttft_ms"] <= run["client_ttft_ms"] + 1.0
+    assert "prefill" in table(r) and "client TTFT" in table(r)
