@@ -15,6 +15,8 @@ text read); their difference is the connection and the client's own parsing.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import random
 import re
@@ -26,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.cold_start import kestrel_serve, streamed_ttft
+from benchmarks.cold_start import connect, kestrel_serve, streamed_ttft
 from kestrel.bench.datasets import DatasetConfig, build_requests
 from kestrel.bench.tokenizer import load_tokenizer
 from kestrel.frontend.first_token import STAGE_NAMES
@@ -46,10 +48,11 @@ def stage_totals(client: httpx.Client) -> dict[str, tuple[float, float]]:
     return {name: (c, s) for name, (c, s) in out.items()}
 
 
-def one_request(client: httpx.Client, model: str, prompt: list[int], max_tokens: int) -> dict:
-    """The client's TTFT and the server's stages of one request, ms."""
+def one_request(client: httpx.Client, conn: http.client.HTTPConnection, model: str, prompt: list[int],
+                max_tokens: int) -> dict:
+    """The client's TTFT (streamed on `conn`) and the server's stages of one request, ms."""
     before = stage_totals(client)
-    client_s = streamed_ttft(client, model, prompt, max_tokens)
+    client_s = streamed_ttft(conn, model, prompt, max_tokens)
     after = stage_totals(client)
     stages = {}
     for name in STAGE_NAMES:
@@ -62,7 +65,7 @@ def one_request(client: httpx.Client, model: str, prompt: list[int], max_tokens:
 
 
 def measure(base: str, prompt_len: int, requests: int, warmup: int, max_tokens: int, seed: int) -> dict:
-    with httpx.Client(base_url=base) as client:   # one client, its connection kept (cold_start.streamed_ttft)
+    with httpx.Client(base_url=base) as client, contextlib.closing(connect(base)) as conn:
         card = client.get("/v1/models", timeout=10.0).json()["data"][0]
         tokenizer = load_tokenizer(card.get("root"), (card["id"],))
         prompts = [r.prompt for r in build_requests(DatasetConfig("random"), warmup + requests, prompt_len,
@@ -70,8 +73,8 @@ def measure(base: str, prompt_len: int, requests: int, warmup: int, max_tokens: 
         if not all(isinstance(p, list) for p in prompts):   # no tokenizer found: word prompts would not be exact
             raise RuntimeError(f"no tokenizer.json under the served model's root {card.get('root')!r}")
         for prompt in prompts[:warmup]:
-            streamed_ttft(client, card["id"], prompt, max_tokens)
-        runs = [one_request(client, card["id"], prompt, max_tokens) for prompt in prompts[warmup:]]
+            streamed_ttft(conn, card["id"], prompt, max_tokens)
+        runs = [one_request(client, conn, card["id"], prompt, max_tokens) for prompt in prompts[warmup:]]
 
     def median(values: list[float]) -> float:
         return round(statistics.median(values), 3)
