@@ -8,9 +8,9 @@ scraping /metrics before and after it, next to the TTFT the client saw.
 Without --model it serves the default model (models/kestrel-tiny). Prompts are the bench's `random` dataset in
 token ids of the served tokenizer (kestrel/bench/datasets.py): every one starts differently, so the prefix cache
 has nothing to give, and a fresh seed each run keeps a reused server from having seen them. The JSON (default:
-benchmarks/results/ttft-MODEL-DATE.json) holds the median ms of each stage, of their sum (the server's TTFT: ASGI
-app called to first chunk handed to the transport) and of the client's TTFT (request sent to first chunk with
-text read); their difference is the connection and the client's own parsing.
+benchmarks/results/ttft-MODEL-DEVICE-DATE.json) holds the median ms of each stage, of their sum (the server's
+TTFT: ASGI app called to first chunk handed to the transport) and of the client's TTFT (request sent to first
+chunk with text read); their difference is the connection and the client's own parsing.
 """
 from __future__ import annotations
 
@@ -117,7 +117,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=None, help="prompt seed (default: a fresh one each run)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a started server")
-    ap.add_argument("--out", help="result JSON (default: benchmarks/results/ttft-MODEL-DATE.json)")
+    ap.add_argument("--out", help="result JSON (default: benchmarks/results/ttft-MODEL-DEVICE-DATE.json)")
     args = ap.parse_args(argv)
     if args.requests < 5:
         ap.error(f"--requests {args.requests} is too few: a median needs at least 5")
@@ -142,7 +142,8 @@ def main(argv: list[str] | None = None) -> int:
                 raise
         result["device"] = args.device
     result["date"] = time.strftime("%Y-%m-%d")
-    out = Path(args.out) if args.out else RESULTS / f"ttft-{Path(str(result['model'])).name}-{result['date']}.json"
+    name = f"ttft-{Path(str(result['model'])).name}-{result.get('device', 'server')}-{result['date']}.json"
+    out = Path(args.out) if args.out else RESULTS / name
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(result, indent=1))
     print(table(result))
