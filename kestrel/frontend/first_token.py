@@ -11,7 +11,9 @@ for the device to take one: `forward_done` is the moment the step's tokens were 
 the engine does anyway.
 
 The stages are consecutive intervals between those stamps, so they add up to `written - received`: the server's
-own view of TTFT, which the client sees plus the connection's and its own parsing time.
+own view of TTFT, which the client sees plus the connection's and its own parsing time. The engine-side stamps
+are the first token's; `written` is the first chunk after it, so a first token whose text is held back (part of a
+UTF-8 character, a possible stop string) puts the wait for the token that releases it in `sse_write`.
 """
 from __future__ import annotations
 
