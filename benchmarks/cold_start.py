@@ -16,6 +16,8 @@ earlier run is reused, then the server is started and timed:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import http.client
 import json
 import os
 import random
@@ -25,6 +27,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.parse
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -61,18 +65,34 @@ def wait_ready(base: str, proc: subprocess.Popen, timeout_s: float) -> dict:
     raise TimeoutError(f"not ready after {timeout_s:.0f} s (last /health: {body})")
 
 
-def streamed_ttft(base: str, model: str, prompt: list[int], max_tokens: int) -> float:
-    """Seconds from sending the request to the first streamed chunk that carries text."""
-    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True, "ignore_eos": True,
-            "temperature": 0}
+def streamed_ttft(conn: http.client.HTTPConnection, model: str, prompt: list[int], max_tokens: int) -> float:
+    """Seconds from sending the request to the first streamed chunk that carries text (or the finish: random
+    weights can draw only tokens that decode to nothing); the stream is read to its end, so the request is over
+    when this returns. One kept connection for every request, as a real client keeps its pool, and the standard
+    library's client: a new httpx.Client costs 30-60 ms (its SSL context) and httpx's parsing ~0.6 ms more than
+    http.client's per streamed request, both of which would count as the server's TTFT."""
+    body = json.dumps({"model": model, "prompt": prompt, "max_tokens": max_tokens, "stream": True,
+                       "ignore_eos": True, "temperature": 0}).encode()
+    ttft = None
     start = time.perf_counter()
-    with httpx.stream("POST", f"{base}/v1/completions", json=body, timeout=120.0) as r:
-        r.raise_for_status()
-        for line in r.iter_lines():
-            if line.startswith("data: ") and line != "data: [DONE]":
-                if json.loads(line[6:])["choices"][0].get("text"):
-                    return time.perf_counter() - start
-    raise RuntimeError("the stream ended without a token")
+    conn.request("POST", "/v1/completions", body=body, headers={"Content-Type": "application/json"})
+    r = conn.getresponse()
+    if r.status != 200:
+        raise RuntimeError(f"HTTP {r.status}: {r.read()[:500]!r}")
+    while line := r.readline():
+        if ttft is None and line.startswith(b"data: {"):
+            choice = (json.loads(line[6:])["choices"] or [{}])[0]
+            if choice.get("text") or choice.get("finish_reason"):
+                ttft = time.perf_counter() - start
+    if ttft is None:
+        raise RuntimeError("the stream ended without a token")
+    return ttft
+
+
+def connect(base: str) -> http.client.HTTPConnection:
+    """A kept connection to http://host:port for streamed_ttft."""
+    url = urllib.parse.urlsplit(base)
+    return http.client.HTTPConnection(url.hostname, url.port or 80, timeout=120.0)
 
 
 def graph_memory_gib(log: str) -> float | None:
@@ -80,29 +100,41 @@ def graph_memory_gib(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+@contextlib.contextmanager
+def kestrel_serve(model: str, device: str, port: int, serve_args: list[str], log_path: Path, timeout_s: float,
+                  env: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
+    """`kestrel serve MODEL` in a child process, its output in log_path: (base URL, /health once ready); the
+    server is stopped (terminated, then killed) on the way out."""
+    cmd = [sys.executable, "-m", "kestrel.cli", "serve", model, "--device", device, "--port", str(port), *serve_args]
+    with open(log_path, "w") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        yield base, wait_ready(base, proc, timeout_s)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
 def measure(model: str, device: str, port: int, prompt_len: int, requests: int, serve_args: list[str],
             timeout_s: float) -> dict:
     with tempfile.TemporaryDirectory(prefix="kestrel-cold-") as root:
         log_path = Path(root) / "server.log"
-        cmd = [sys.executable, "-m", "kestrel.cli", "serve", model, "--device", device, "--port", str(port),
-               *serve_args]
-        with open(log_path, "w") as log:
-            proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=cold_environment(Path(root)))
-        base = f"http://127.0.0.1:{port}"
-        try:
-            health = wait_ready(base, proc, timeout_s)
+        with kestrel_serve(model, device, port, serve_args, log_path, timeout_s,
+                           env=cold_environment(Path(root))) as (base, health):
             card = httpx.get(f"{base}/v1/models", timeout=5.0).json()["data"][0]
             vocab = 1000   # random ids well inside any vocabulary
             rng = random.Random(0)
-            streamed_ttft(base, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)   # warm-up
-            ttfts = [streamed_ttft(base, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)
-                     for _ in range(requests)]
-        finally:
-            proc.terminate()
+            conn = connect(base)
             try:
-                proc.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                proc.kill()
+                streamed_ttft(conn, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)   # warm-up
+                ttfts = [streamed_ttft(conn, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)
+                         for _ in range(requests)]
+            finally:
+                conn.close()
         log_text = log_path.read_text()
     phases = health.get("phases", {})
     return {"model": model, "device": device, "ready_s": round(health["ready_s"], 3), "phases_s": phases,

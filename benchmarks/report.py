@@ -165,6 +165,16 @@ def suite_summary(out_dir: Path) -> dict:
                       "baseline": None, "change_pct": None},
                      {"row": f"{name} TTFT ms, fresh {cold.get('prompt_len')}-token prompt, streamed p50",
                       "current": cold.get("ttft_ms_p50"), "baseline": None, "change_pct": None}]
+    for ttft_file in sorted(raw.glob("ttft_*.json")):   # benchmarks/ttft_breakdown.py
+        ttft = _load(ttft_file) or {}
+        name = Path(str(ttft.get("root") or ttft.get("model"))).name
+        if ttft.get("server_ttft_ms_p50") is not None:
+            stages = ", ".join(f"{k} {v:.2f}" for k, v in ttft.get("stages_ms_p50", {}).items())
+            prompt = f"fresh {ttft.get('prompt_len')}-token prompt, streamed p50"
+            rows += [{"row": f"{name} TTFT ms through kestrel serve, client ({prompt})",
+                      "current": ttft.get("client_ttft_ms_p50"), "baseline": None, "change_pct": None},
+                     {"row": f"{name} TTFT ms in the server by stage ({stages})",
+                      "current": ttft["server_ttft_ms_p50"], "baseline": None, "change_pct": None}]
     tests = []
     tests_file = out_dir / "tests.tsv"
     if tests_file.is_file():

@@ -10,7 +10,9 @@
 #   STAGES="bench serve tests"   the stages to run, always in this order (the default: all three; tests/gpu whole
 #                                takes more than what the measurements leave of 10 minutes, so for every file to
 #                                run, give it its own call: STAGES=tests). STAGES=cold (before tests, not in the
-#                                default): benchmarks/cold_start.py per shape, every compile cache empty
+#                                default): benchmarks/cold_start.py per shape, every compile cache empty.
+#                                STAGES=ttft (after cold, not in the default): benchmarks/ttft_breakdown.py per shape,
+#                                fresh 128-token prompts streamed through kestrel serve, TTFT split by stage
 #   MODELS=llama-3.1-8b,qwen3-0.6b   the bench shapes (benchmarks/shapes.py names, or kestrel-tiny)
 #   HF=1                         also time HF transformers eager `generate` on the same weights (slow: ~1 min/shape)
 #   BASELINE_SRC=DIR             before/after: DIR holds another commit's repo root; the bench and serve rows run
@@ -146,6 +148,19 @@ if [[ $STAGES == *" cold "* ]]; then
     step "cold start, graph memory, fresh-prompt TTFT: $m shape (compile caches empty)"
     in_tree cur "$(within 240 0)" python3 -m benchmarks.cold_start "$WORK/$m" --device cuda --out "$RAW/cold_$m.json"
     say "cold start $m exit $?"
+  done
+fi
+
+if [[ $STAGES == *" ttft "* ]]; then
+  # Where a fresh prompt's TTFT goes through kestrel serve (HTTP, tokenize, IPC, schedule, prefill, detokenize, SSE),
+  # the medians of 10 streamed requests after 3 warm-ups, from the server's kestrel:first_token_stage_seconds.
+  for m in ${MODELS//,/ }; do
+    [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
+      "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
+    step "TTFT by stage through kestrel serve: $m shape, fresh 128-token prompts"
+    in_tree cur "$(within 240 0)" python3 -m benchmarks.ttft_breakdown --model "$WORK/$m" --device cuda \
+      --out "$RAW/ttft_$m.json"
+    say "ttft breakdown $m exit $?"
   done
 fi
 

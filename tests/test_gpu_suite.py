@@ -92,3 +92,26 @@ def test_dry_run_alternates_the_trees_and_prints_the_table_last(tmp_path):
     assert "vs baseline def5678" in r.stdout
     assert sorted(p.name for p in out.iterdir()) == ["suite.json", "suite.log", "summary.json", "summary.md",
                                                      "tests.tsv"]
+
+
+def test_the_ttft_stage_runs_the_breakdown_per_shape_and_adds_its_rows(tmp_path):
+    out = tmp_path / "out"
+    env = {**os.environ, "OUT": str(out), "STAGES": "ttft",
+           "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
+    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    runs = [line for line in r.stdout.splitlines() if "benchmarks.ttft_breakdown" in line]
+    assert len(runs) == 2 and "llama-3.1-8b" in runs[0] and "qwen3-0.6b" in runs[1]
+    assert all("--device cuda" in c and "/raw/ttft_" in c for c in runs)
+
+    raw = tmp_path / "raw"
+    raw.mkdir()
+    (raw / "ttft_llama-3.1-8b.json").write_text(json.dumps(
+        {"model": "llama-3.1-8b", "root": "/tmp/kestrel-bench/llama-3.1-8b", "prompt_len": 128,
+         "client_ttft_ms_p50": 9.81, "server_ttft_ms_p50": 8.9,
+         "stages_ms_p50": {"http_parse": 0.1, "prefill": 8.0}}))
+    table = suite_table(suite_summary(tmp_path))
+    assert "| llama-3.1-8b TTFT ms through kestrel serve, client (fresh 128-token prompt, streamed p50) | 9.81 |" \
+        in table
+    assert "| llama-3.1-8b TTFT ms in the server by stage (http_parse 0.10, prefill 8.00) | 8.90 |" in table

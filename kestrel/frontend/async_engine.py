@@ -23,11 +23,13 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, AsyncIterator
 
 from kestrel.config import EngineConfig
 from kestrel.frontend.engine_process import EngineProcess, EngineThread
+from kestrel.frontend.first_token import FirstTokenTrace
 from kestrel.engine.messages import EngineLimits, EngineStats, TokenLogprob, decode_logprobs, decode_stats
 from kestrel.frontend.output import TextAssembler
 from kestrel.errors import KestrelError
@@ -80,10 +82,12 @@ _ABORTED = object()    # finishes every open sample of a stream with "abort"
 class RequestStream:
     """One request's outputs on the event loop side: a queue of step updates, turned into Deltas on read."""
 
-    def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams) -> None:
+    def __init__(self, owner: AsyncEngine, request_id: str, params: SamplingParams,
+                 trace: FirstTokenTrace | None = None) -> None:
         self.owner = owner
         self.request_id = request_id
         self.params = params
+        self.trace = trace                 # stamped by _deliver when this request's first update arrives
         self.queue: asyncio.Queue[Any] = asyncio.Queue()
         self.finished = False
         self.num_waiting_counted = True    # counts against --max-queue until its first token arrives
@@ -137,8 +141,9 @@ class RequestStream:
     def _absorb(self, updates: list[tuple]) -> None:
         """Update tuples of one step (engine/messages.py) -> Deltas."""
         self.owner._mark_started(self)
-        for _, i, token_ids, logprobs, finished, finish_reason, num_prompt, num_cached, queue_time in updates:
+        for _, i, token_ids, logprobs, finished, finish_reason, num_prompt, num_cached, stamps in updates:
             self._num_prompt_tokens, self._num_cached_tokens = num_prompt, num_cached
+            queue_time = stamps[1] - stamps[0] if stamps is not None else None
             if self._done[i]:
                 continue
             asm = self._assemblers[i]
@@ -253,9 +258,11 @@ class AsyncEngine:
 
     # ---- requests ---------------------------------------------------------------------------------------------
 
-    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str) -> RequestStream:
+    async def submit(self, prompt_token_ids: list[int], params: SamplingParams, request_id: str,
+                     trace: FirstTokenTrace | None = None) -> RequestStream:
         """Validate a request and hand it to the engine (KestrelError, before anything is queued, if it could
-        never run)."""
+        never run). `trace` gets the request's stamps from here to its first token (shared by several prompts:
+        the first one sent, and the first one with a token, stamp it)."""
         limits = self._require()
         if self._stopping:
             raise EngineNotReady("the server is shutting down")
@@ -265,9 +272,12 @@ class AsyncEngine:
             raise EngineOverloaded(f"the request queue is full ({self._num_waiting} requests waiting, "
                                    f"--max-queue {self.max_queue}); retry later")
         limits.check_prompt(prompt_token_ids, params)
-        stream = RequestStream(self, request_id, params)
+        stream = RequestStream(self, request_id, params, trace)
         self._streams[request_id] = stream
         self._num_waiting += 1
+        if trace is not None and trace.sent is None:
+            # before the write: the engine may take the command before the write returns to this process
+            trace.sent = time.monotonic()
         self._send(("add", request_id, list(prompt_token_ids), params))
         return stream
 
@@ -321,7 +331,7 @@ class AsyncEngine:
         """Runs on the event loop: one event of engine/core.py's protocol."""
         kind = event[0]
         if kind == "step":
-            self._deliver(event[1], event[2])
+            self._deliver(event[1], event[2], event[3])
         elif kind == "refused":
             _, request_id, why, message = event
             self._reply(request_id, KestrelError(message) if why == "invalid" else EngineFailure(message))
@@ -342,16 +352,22 @@ class AsyncEngine:
         elif kind == "exited" and not self._stopping:
             self._engine_died(event[1])
 
-    def _deliver(self, updates: list[tuple], stats: tuple | None) -> None:
+    def _deliver(self, updates: list[tuple], stats: tuple | None, emitted: float) -> None:
         """Route one step's update tuples to their streams."""
         if stats is not None:
             self._stats = decode_stats(stats)
+        if not updates:
+            return
+        delivered = time.monotonic()
         by_request: dict[str, list[tuple]] = {}
         for u in updates:
             by_request.setdefault(u[0], []).append(u)
         for request_id, items in by_request.items():
             stream = self._streams.get(request_id)
             if stream is not None:      # None: aborted or closed; its late updates are dropped
+                trace = stream.trace
+                if trace is not None and trace.delivered is None:
+                    _first_token_reached(trace, items, emitted, delivered)
                 stream.queue.put_nowait(items)
 
     def _reply(self, request_id: str, item: Any) -> None:
@@ -376,3 +392,11 @@ class AsyncEngine:
             self.progress.fail(message)
         else:
             self.progress.begin("failed")
+
+
+def _first_token_reached(trace: FirstTokenTrace, updates: list[tuple], emitted: float, delivered: float) -> None:
+    """Stamp the engine's side of the trace from the first update that carries a token and its first stamps."""
+    for u in updates:
+        if u[2] and u[8] is not None:
+            trace.engine_reached(u[8], emitted, delivered)
+            return

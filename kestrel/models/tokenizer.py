@@ -78,7 +78,8 @@ class IncrementalDetokenizer:
     def add(self, new_ids: list[int]) -> str:
         self.token_ids.extend(new_ids)
         decode = self.tokenizer.decode
-        prefix = decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+        prefix = (decode(self.token_ids[self.prefix_offset:self.read_offset], self.skip_special_tokens)
+                  if self.read_offset > self.prefix_offset else "")   # the first token's: no call for nothing
         full = decode(self.token_ids[self.prefix_offset:], self.skip_special_tokens)
         if full.endswith("\ufffd") or len(full) <= len(prefix):
             return ""

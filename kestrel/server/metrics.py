@@ -4,14 +4,21 @@ Engine-wide counts (running, waiting, KV usage, token and preemption totals, pre
 acceptance) are read from the AsyncEngine's latest EngineStats snapshot at scrape time; per-request latencies are
 observed by the HTTP handlers as each sample finishes. Each app has its own CollectorRegistry, so several servers
 can live in one process.
+
+`kestrel:first_token_stage_seconds{stage=...}` splits each request's time to first token along its path
+(frontend/first_token.py lists the stages); the stages of one request add up to its server-side TTFT, from the
+ASGI app being called (StampReceived) to the first chunk with text handed to the transport.
 """
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from kestrel.frontend.first_token import STAGE_NAMES, FirstTokenTrace
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
@@ -20,6 +27,9 @@ _TTFT_BUCKETS = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.7
                  20.0, 40.0, 80.0)
 _TPOT_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3,
                  0.4, 0.5, 0.75, 1.0, 2.5)
+# seconds; the stages run from tens of microseconds (a pipe hop) to a prefill
+_STAGE_BUCKETS = (0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
+                  1.0, 2.5, 10.0)
 _E2E_BUCKETS = (0.01, 0.05, 0.1, 0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0,
                 60.0, 120.0, 240.0)
 
@@ -86,6 +96,10 @@ class ServerMetrics:
                              labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
         self.queue_time = Histogram("kestrel:request_queue_time_seconds", "Waiting before first scheduled.",
                                     labels, buckets=_E2E_BUCKETS, registry=self.registry).labels(model_name)
+        stages = Histogram("kestrel:first_token_stage_seconds",
+                           "Time to first token split along the request's path, per request.",
+                           labels + ["stage"], buckets=_STAGE_BUCKETS, registry=self.registry)
+        self.first_token_stages = {name: stages.labels(model_name, name) for name in STAGE_NAMES}
         self._success = Counter("kestrel:request_success", "Finished samples by finish reason.",
                                 labels + ["finished_reason"], registry=self.registry)
         for reason in ("stop", "length", "abort"):   # every series exists from the start, at 0
@@ -102,6 +116,11 @@ class ServerMetrics:
         self.e2e.observe(timing.finish_time - timing.arrival_time)
         self._success.labels(self.model_name, timing.finish_reason or "abort").inc()
 
+    def observe_first_token(self, trace: FirstTokenTrace) -> None:
+        """One request's stages (those it reached: a non-streamed request has no sse_write)."""
+        for name, seconds in trace.stages().items():
+            self.first_token_stages[name].observe(seconds)
+
     def render(self) -> bytes:
         return generate_latest(self.registry)
 
@@ -117,3 +136,19 @@ class SampleTiming:
         self.num_tokens = 0
         self.queue_time_s: float | None = None
         self.finish_reason: str | None = None
+
+
+RECEIVED = "kestrel.received"   # the ASGI scope's key for StampReceived's stamp
+
+
+class StampReceived:
+    """ASGI middleware, the first after Starlette's error handler: stamps time.monotonic() into the scope as soon
+    as the app is called (request line and headers parsed, the body perhaps still arriving): the first stamp of
+    FirstTokenTrace."""
+
+    def __init__(self, app) -> None:
+        self.app = app
+
+    async def __call__(self, scope, receive, send) -> None:
+        scope[RECEIVED] = time.monotonic()
+        await self.app(scope, receive, send)

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from kestrel.frontend.async_engine import (AsyncEngine, Delta, EngineFailure, EngineNotReady, EngineOverloaded,
                                          RequestStream)
 from kestrel.errors import KestrelError
+from kestrel.frontend.first_token import FirstTokenTrace
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.log_lines import request_line
 from kestrel.server.metrics import SampleTiming, ServerMetrics
@@ -116,7 +117,8 @@ class Generation:
     """One HTTP request in the engine: its prompts' streams merged into (choice, delta) events."""
 
     def __init__(self, engine: AsyncEngine, metrics: ServerMetrics, prompts: list[list[int]],
-                 params: SamplingParams, kind: str, log_request: bool = False) -> None:
+                 params: SamplingParams, kind: str, log_request: bool = False,
+                 trace: FirstTokenTrace | None = None) -> None:
         self.engine = engine
         self.log_request = log_request   # one log line once every choice has finished
         self.metrics = metrics
@@ -124,7 +126,10 @@ class Generation:
         self.params = params
         self.id = f"{kind}-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.arrival = time.monotonic()
+        # arrival: when the HTTP request arrived (parsing and tokenizing count towards TTFT), where it is known
+        self.trace = trace if trace is not None else FirstTokenTrace(time.monotonic())
+        self.arrival = self.trace.received
+        self._trace_observed = False
         n = params.n
         self.choices = [Choice(i, SampleTiming(self.arrival)) for i in range(len(prompts) * n)]
         self.cached_tokens = [0] * len(prompts)
@@ -135,7 +140,7 @@ class Generation:
         """Submit every prompt; a refusal (bad input, queue full) aborts the ones already in."""
         try:
             for i, ids in enumerate(self.prompts):
-                self._streams.append(await self.engine.submit(ids, self.params, f"{self.id}-{i}"))
+                self._streams.append(await self.engine.submit(ids, self.params, f"{self.id}-{i}", self.trace))
             self._submitted = True
         except BaseException:
             self.close()
@@ -184,6 +189,8 @@ class Generation:
         if delta.token_ids:
             if timing.first_token_time is None:
                 timing.first_token_time = now
+                if self.trace.detokenized is None:
+                    self.trace.detokenized = now
             choice.num_tokens += len(delta.token_ids)
         choice.text.append(delta.text)
         if delta.logprobs:
@@ -212,11 +219,23 @@ class Generation:
                      total_tokens=prompt_tokens + completion_tokens,
                      prompt_tokens_details=PromptTokensDetails(cached_tokens=sum(self.cached_tokens)))
 
+    def first_chunk_written(self) -> None:
+        """Streamed: a chunk went out to the transport; the first one after the first token ends the trace."""
+        if self.trace.written is None and self.trace.detokenized is not None:
+            self.trace.written = time.monotonic()
+            self._observe_trace()
+
+    def _observe_trace(self) -> None:
+        if not self._trace_observed and self.trace.detokenized is not None:   # once, and only with a token
+            self._trace_observed = True
+            self.metrics.observe_first_token(self.trace)
+
     def close(self) -> None:
         """Abort whatever has not finished (client gone, error, shutdown); frees its KV blocks. Synchronous:
         it runs in `finally` blocks of cancelled tasks."""
         for stream in self._streams:
             stream.close()
+        self._observe_trace()   # non-streamed: every stage but sse_write
         if self._submitted:   # choices cut short count as aborted in kestrel:request_success_total
             self._submitted = False
             now = time.monotonic()
@@ -260,7 +279,8 @@ async def framed_stream(gen: Generation, head: dict, include_usage: bool,
     generation fails after the headers went out (as vLLM does), then [DONE]; the generation is closed either way."""
     try:
         async for chunk in chunks:
-            yield chunk
+            yield chunk   # resumed once the server has handed the chunk to the connection's transport
+            gen.first_chunk_written()
         if include_usage:
             yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))
     except Exception as exc:   # noqa: BLE001 - headers are sent: report in-band
