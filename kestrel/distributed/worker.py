@@ -56,11 +56,27 @@ def main() -> None:
     from kestrel.engine.startup import build_runner, resolve_device
     from kestrel.progress import Progress
 
-    store = open_store(spec.rendezvous, is_master=False)
-    tp = join_group(spec.rendezvous, spec.rank, store, resolve_device(spec.config.device).type)
-    setup = build_runner(spec.config, Progress(), tp)   # Progress: the phases in this rank's log
+    try:
+        store = open_store(spec.rendezvous, is_master=False)
+        tp = join_group(spec.rendezvous, spec.rank, store, resolve_device(spec.config.device).type)
+        setup = build_runner(spec.config, Progress(), tp)   # Progress: the phases in this rank's log
+    except Exception:   # noqa: BLE001 - said here, in this rank's log; rank 0's watch names the exit
+        logger.exception("rank %d failed to start", spec.rank)
+        _exit(1)
     logger.info("rank %d ready: following rank 0", spec.rank)
-    follow(setup.runner, tp)
+    try:
+        follow(setup.runner, tp)
+    except RuntimeError as exc:   # a collective failed: rank 0 (or another rank) is gone
+        logger.error("rank %d: the other ranks are gone (%s); exiting", spec.rank, str(exc).splitlines()[0])
+        _exit(1)
+    logger.info("rank %d: stopped by rank 0", spec.rank)
+    _exit(0)
+
+
+def _exit(code: int) -> None:
+    """Exit now: the stdin thread (blocked in a read) would make the interpreter's shutdown abort."""
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -67,7 +67,10 @@ def run_engine_core(config: EngineConfig, progress: Progress, commands: Commands
         send(("start_failed", f"{type(exc).__name__}: {exc}"))
         return
     send(("ready", engine.limits, tuple(engine.model_config.eos_token_ids), encode_stats(engine.stats())))
-    _step_loop(engine, commands, send)
+    try:
+        _step_loop(engine, commands, send)
+    finally:
+        engine.runner.close()   # tensor parallelism: the other ranks stop with this one
 
 
 def _step_loop(engine: Engine, commands: Commands, send: Send) -> None:
