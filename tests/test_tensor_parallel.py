@@ -107,3 +107,51 @@ def test_tp_flag_and_its_alias_reach_the_config():
         config = config_from_args(args)
         assert (config.tensor_parallel_size, config.nnodes, config.node_rank) == (2, 2, 1)
         assert config.dist_address == ("10.0.0.1", 5000)
+
+
+def _worker_processes():
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if "kestrel.distributed.worker" in " ".join(p.cmdline())]
+
+
+def test_a_killed_rank_fails_the_next_generate_with_its_name(checkpoint_factory):
+    from kestrel.distributed.driver import RankFailure
+
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
+    try:
+        [worker] = _worker_processes()
+        worker.kill()   # not waited for here: the engine's own watch reaps it and reads its exit code
+        with pytest.raises(RankFailure, match=rf"tensor-parallel rank 1 \(pid {worker.pid}\) exited with code -9"):
+            llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_rank_is_named_after_the_timeout_instead_of_hanging(checkpoint_factory):
+    import signal
+    import time
+
+    from kestrel.distributed.driver import RankFailure
+
+    # the timeout covers joining too: long enough for a worker to import torch on a slow machine
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2, dist_timeout=15)
+    [worker] = _worker_processes()
+    try:
+        worker.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="a rank hangs"):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        worker.kill()
+        llm.shutdown()
+
+
+def test_shutdown_stops_every_rank(checkpoint_factory):
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
+    procs = dict(llm.engine.runner.ranks.procs)
+    assert list(procs) == [1]
+    llm.shutdown()
+    assert [p.returncode for p in procs.values()] == [0]   # stopped by rank 0, not killed
