@@ -86,7 +86,10 @@ class DriverRunner:
 
     def __getattr__(self, name: str):
         # only reached for what this class does not define: the local runner's attributes (graphs, device, ...)
-        return getattr(self.__dict__["runner"], name)
+        runner = self.__dict__.get("runner")
+        if runner is None:   # released (llm.py clears a runner's attributes)
+            raise AttributeError(name)
+        return getattr(runner, name)
 
     def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:
         return self._step(("execute", chunks), lambda: self.runner.execute(chunks))
