@@ -63,6 +63,16 @@ class Ranks:
         progress.update(n)
         logger.info("%d tensor-parallel ranks joined at %s:%d (%d node(s))", n, rdv.host, rdv.port, config.nnodes)
 
+    def explain(self, exc: BaseException, wait_s: float = 2.0) -> BaseException:
+        """A collective that failed (RuntimeError) because a rank died: RankFailure naming the rank, once the
+        watch has found it (within wait_s); any other error as it is."""
+        if not isinstance(exc, RuntimeError):
+            return exc
+        deadline = time.monotonic() + wait_s
+        while self.watch.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return RankFailure(self.watch.failure or f"a tensor-parallel collective failed: {exc}")
+
     def close(self) -> None:
         self.watch.stop()
         stop_workers(self.procs)
@@ -107,10 +117,7 @@ class DriverRunner:
             self.tp.broadcast_object(command)
             return run()
         except RuntimeError as exc:   # a collective failed: a rank is gone; the watch says which, soon
-            deadline = time.monotonic() + 2.0
-            while self.ranks.watch.failure is None and time.monotonic() < deadline:
-                time.sleep(0.05)
-            raise RankFailure(self.ranks.watch.failure or f"a tensor-parallel collective failed: {exc}") from exc
+            raise self.ranks.explain(exc) from exc
         finally:
             self.ranks.busy_since = None
 

@@ -45,9 +45,12 @@ class Engine:
             ranks = Ranks(config, self.progress, on_rank_failure)
             try:
                 setup = build_runner(config, self.progress, ranks.tp)
-            except BaseException:
+            except BaseException as exc:
+                error = ranks.explain(exc)   # before close(): the watch may still name a dead rank
                 ranks.close()
-                raise
+                if error is exc:
+                    raise
+                raise error from exc
             self.runner = DriverRunner(setup.runner, ranks)
         else:
             setup = build_runner(config, self.progress)
