@@ -54,11 +54,17 @@ def main() -> None:
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s")
     from kestrel.distributed.group import join_group, open_store
     from kestrel.engine.startup import build_runner, resolve_device
+    from kestrel.envs import omp_threads_set
     from kestrel.progress import Progress
 
+    device_type = resolve_device(spec.config.device).type
+    if device_type == "cpu" and not omp_threads_set():
+        # CPU ranks share the node's cores: intra-op threads on every core in every rank spin against each other
+        import torch
+        torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.rendezvous.ranks_per_node))
     try:
         store = open_store(spec.rendezvous, is_master=False)
-        tp = join_group(spec.rendezvous, spec.rank, store, resolve_device(spec.config.device).type)
+        tp = join_group(spec.rendezvous, spec.rank, store, device_type)
         setup = build_runner(spec.config, Progress(), tp)   # Progress: the phases in this rank's log
     except Exception:   # noqa: BLE001 - said here, in this rank's log; rank 0's watch names the exit
         logger.exception("rank %d failed to start", spec.rank)
