@@ -45,6 +45,12 @@ class EngineConfig:
     speculative_num_draft_tokens: int | None = None     # tree budget counting the root, as SGLang's
     speculative_disable_adaptive: bool = False
     speculative_synthetic_acceptance_rate: float | None = None   # benchmarks: accept drafts with this probability
+    # Tensor parallelism (distributed/): one process per rank, rank 0 schedules; several nodes as SGLang starts them
+    tensor_parallel_size: int = 1
+    nnodes: int = 1                        # nodes sharing the ranks evenly; one `kestrel serve` per node
+    node_rank: int = 0                     # this node; node 0 runs rank 0 and serves HTTP
+    dist_init_addr: str | None = None      # HOST:PORT of rank 0's rendezvous; default: a free loopback port
+    dist_timeout: float = 300.0            # seconds for every rank to join, and for one step before a hang is declared
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,7 +70,37 @@ class EngineConfig:
                                "expected triton, flashinfer or torch")
         if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
             raise KestrelError(f"--kv-cache-memory {self.kv_cache_memory} is invalid: expected bytes > 0")
+        self._check_parallel()
         self.speculative   # fails here, at construction, on a bad speculative option
+
+    def _check_parallel(self) -> None:
+        tp, nnodes = self.tensor_parallel_size, self.nnodes
+        if tp < 1:
+            raise KestrelError(f"--tensor-parallel-size {tp} is invalid: expected an integer >= 1")
+        if nnodes < 1 or tp % nnodes:
+            raise KestrelError(f"--nnodes {nnodes} is invalid: expected a divisor of --tensor-parallel-size ({tp})")
+        if not 0 <= self.node_rank < nnodes:
+            raise KestrelError(f"--node-rank {self.node_rank} is invalid: expected 0 .. {nnodes - 1}")
+        if nnodes > 1 and self.dist_init_addr is None:
+            raise KestrelError("--nnodes > 1 needs --dist-init-addr HOST:PORT (rank 0's node, reachable from "
+                               "every node)")
+        if self.dist_init_addr is not None:
+            self.dist_address   # fails here on a malformed address
+        if self.dist_timeout <= 0:
+            raise KestrelError(f"--dist-timeout {self.dist_timeout} is invalid: expected seconds > 0")
+        if tp > 1 and self.speculative is not None:
+            raise KestrelError("speculative decoding with --tensor-parallel-size > 1 is not supported yet: drop "
+                               "one of them")
+
+    @property
+    def dist_address(self) -> tuple[str, int] | None:
+        """--dist-init-addr as (host, port), None when not given."""
+        if self.dist_init_addr is None:
+            return None
+        host, _, port = self.dist_init_addr.rpartition(":")
+        if not host or not port.isdigit() or not 0 < int(port) < 65536:
+            raise KestrelError(f"--dist-init-addr {self.dist_init_addr!r} is invalid: expected HOST:PORT")
+        return host.strip("[]"), int(port)
 
     @property
     def speculative(self) -> SpeculativeConfig | None:
@@ -167,6 +203,19 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="do not reuse the KV cache of prompt prefixes seen before")
     parser.add_argument("--served-model-name", default=None,
                         help="model name in the API (default: the model directory's or file's name)")
+    par = parser.add_argument_group("tensor parallelism", "one process per GPU; with several nodes, start "
+                                    "`kestrel serve` on each with the same flags and its own --node-rank")
+    par.add_argument("--tensor-parallel-size", "--tp", "--tp-size", dest="tensor_parallel_size", type=int, default=1,
+                     metavar="N", help="ranks each layer is split over (attention heads, MLP width, vocabulary)")
+    par.add_argument("--nnodes", type=int, default=1, help="nodes the ranks are spread over, evenly")
+    par.add_argument("--node-rank", type=int, default=0,
+                     help="this node's index; node 0 runs rank 0 and serves HTTP, the others only run their ranks")
+    par.add_argument("--dist-init-addr", default=None, metavar="HOST:PORT",
+                     help="where the ranks meet (rank 0's node; the same on every node) (default: a free port on "
+                     "127.0.0.1, one node only)")
+    par.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
+                     help="how long every rank may take to join, and one step may take, before the engine stops "
+                     "with an error naming the rank")
     spec = parser.add_argument_group("speculative decoding", "vLLM's --speculative-config or SGLang's "
                                      "--speculative-* flags, not both")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",

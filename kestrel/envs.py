@@ -60,6 +60,12 @@ def switches() -> DevSwitches:
     )
 
 
+def disable_nccl_nvls() -> None:
+    """Before NCCL starts (tensor parallelism): NVLink SHARP multicast off. It takes device memory per
+    communicator and has hung collectives on some drivers; Kestrel's all-reduces are small and gain nothing."""
+    os.environ["NCCL_NVLS_ENABLE"] = "0"
+
+
 def child_environment(**extra: str) -> dict[str, str]:
     """This process's environment plus `extra`, for a child process (kestrel launch)."""
     return {**os.environ, **extra}

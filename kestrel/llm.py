@@ -156,6 +156,8 @@ def _release(engine: Engine) -> None:
     try:
         for request_id in list(getattr(engine, "requests", {})):
             engine.abort_request(request_id)
+        if runner is not None and hasattr(runner, "close"):
+            runner.close()   # tensor parallelism: the other ranks' processes stop
     finally:   # an abort that raises must not keep the memory
         for obj in (runner, engine):
             if obj is not None and hasattr(obj, "__dict__"):

@@ -16,7 +16,7 @@ import traceback
 
 logger = logging.getLogger("kestrel.startup")
 
-PHASES = ("resolving_model", "loading_weights", "loading_drafter", "compiling_kernels", "allocating_kv_cache", "capturing_cuda_graphs",
+PHASES = ("starting_ranks", "resolving_model", "loading_weights", "loading_drafter", "compiling_kernels", "allocating_kv_cache", "capturing_cuda_graphs",
           "warming_up", "ready")
 
 

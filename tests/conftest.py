@@ -34,7 +34,8 @@ MODEL_TYPE = {"llama": "llama", "llama3": "llama", "qwen2": "qwen2", "qwen3": "q
 
 def make_checkpoint(out: Path, arch: str = "llama", tie: bool = False, shard: bool = False, seed: int = 0,
                     num_kv_heads: int = 2, vocab_size: int | None = None, head_dim: int = 16,
-                    hidden_size: int = 64, intermediate_size: int = 128, max_position_embeddings: int = 256) -> Path:
+                    hidden_size: int = 64, intermediate_size: int = 128, max_position_embeddings: int = 256,
+                    num_heads: int = 4) -> Path:
     """Random-weight checkpoint + the default model's tokenizer (so prompts are real text)."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -42,7 +43,7 @@ def make_checkpoint(out: Path, arch: str = "llama", tie: bool = False, shard: bo
     tokenizer = make_tokenizer()
     vocab = vocab_size or len(tokenizer)
     kwargs = dict(hidden_size=hidden_size, intermediate_size=intermediate_size, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab,
+                  num_attention_heads=num_heads, num_key_value_heads=num_kv_heads, head_dim=head_dim, vocab_size=vocab,
                   max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie, rms_norm_eps=1e-5,
                   bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id)
     if arch == "qwen2":

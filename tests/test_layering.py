@@ -98,3 +98,11 @@ def test_only_the_registry_names_model_classes():
                 if names & model_classes:
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
     assert offenders == []
+
+
+def test_the_collectives_the_layers_call_import_nothing_from_kestrel():
+    """layers/ builds its shards with distributed/comm.py; the rest of distributed/ sits above the engine."""
+    assert _modules()["kestrel.distributed.comm"] == set()
+    below = {name: sorted(i for i in imports if i.startswith("kestrel.distributed") and i != "kestrel.distributed.comm")
+             for name, imports in _modules().items() if name.startswith(BELOW_THE_ENGINE)}
+    assert {name: bad for name, bad in below.items() if bad} == {}

@@ -9,6 +9,8 @@ is owned (the engine process by default, a thread with --engine-in-thread) and s
     ("stop",)                                      ("failed", [request_ids], message)   a step raised
     ("ack",)                                       ("progress", "begin" | "update", args)  startup, answered by
                                                    an ack (engine process only, see core_host.py)
+                                                   ("fatal", message)  a tensor-parallel rank died or hangs:
+                                                   the engine cannot go on (the engine process exits after it)
 
 The core blocks on its command channel when idle (no spinning) and drains it without blocking between steps.
 Requests are validated by the server before they are sent (EngineLimits), so "refused" is a backstop.
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -43,11 +46,19 @@ class CoreStopped(Exception):
     """A stop command arrived while the engine was still starting."""
 
 
-def run_engine_core(config: EngineConfig, progress: Progress, commands: Commands, send: Send) -> None:
+def run_engine_core(config: EngineConfig, progress: Progress, commands: Commands, send: Send,
+                    exit_on_fatal: bool = False) -> None:
+    """exit_on_fatal: after a "fatal" event, end this process (the engine process: its main thread may be stuck in
+    a collective with a dead rank; `send` must then be safe to call from another thread)."""
     from kestrel.engine.engine import Engine   # imports torch: here, so the server's port is open while it loads
 
+    def on_rank_failure(message: str) -> None:
+        send(("fatal", message))
+        if exit_on_fatal:
+            os._exit(1)
+
     try:
-        engine = Engine(config, progress=progress)
+        engine = Engine(config, progress=progress, on_rank_failure=on_rank_failure)
     except CoreStopped:
         return
     except KestrelError as exc:    # the user's input (a bad model file, a bad option): the message says it all
@@ -58,7 +69,10 @@ def run_engine_core(config: EngineConfig, progress: Progress, commands: Commands
         send(("start_failed", f"{type(exc).__name__}: {exc}"))
         return
     send(("ready", engine.limits, tuple(engine.model_config.eos_token_ids), encode_stats(engine.stats())))
-    _step_loop(engine, commands, send)
+    try:
+        _step_loop(engine, commands, send)
+    finally:
+        engine.runner.close()   # tensor parallelism: the other ranks stop with this one
 
 
 def _step_loop(engine: Engine, commands: Commands, send: Send) -> None:

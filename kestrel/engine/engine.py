@@ -8,6 +8,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from typing import Callable
 
 import torch
 
@@ -32,11 +33,28 @@ logger = logging.getLogger("kestrel.engine")
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, progress: Progress | None = None) -> None:
+    def __init__(self, config: EngineConfig, progress: Progress | None = None,
+                 on_rank_failure: Callable[[str], None] | None = None) -> None:
+        """on_rank_failure(message): with tensor parallelism, called (from a watch thread) when a rank dies or
+        hangs; without it the failure surfaces as the next step's RankFailure."""
         self.config = config
         self.progress = progress or Progress()
-        setup = build_runner(config, self.progress)
-        self.runner = setup.runner
+        if config.tensor_parallel_size > 1:
+            from kestrel.distributed.driver import DriverRunner, Ranks
+
+            ranks = Ranks(config, self.progress, on_rank_failure)
+            try:
+                setup = build_runner(config, self.progress, ranks.tp)
+            except BaseException as exc:
+                error = ranks.explain(exc)   # before close(): the watch may still name a dead rank
+                ranks.close()
+                if error is exc:
+                    raise
+                raise error from exc
+            self.runner = DriverRunner(setup.runner, ranks)
+        else:
+            setup = build_runner(config, self.progress)
+            self.runner = setup.runner
         self.model_config = setup.model_config
         self.tokenizer: Tokenizer = setup.tokenizer
         self.device = setup.runner.device
@@ -211,6 +229,7 @@ class Engine:
         if not all(seq.params.greedy for seq in seqs):
             # Sampled rows: draw on the device and put the draws where the next launch and the read-back look.
             tokens.copy_(sample(output.logits, self._overlap_sampling_batch(seqs)))
+            self.runner.share_sampled_tokens(tokens)   # other ranks read the next step's tokens from theirs
         host_tokens, done = self.runner.graphs.read_back_async(tokens)
         self._mark_computed(rows)
         positions = []

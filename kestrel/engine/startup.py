@@ -1,6 +1,12 @@
 """Startup: resolve the model, load weights, size and allocate the KV cache, capture graphs, warm up.
 
 Each phase reports through Progress, so /health and the log always say what is happening.
+
+With tensor parallelism every rank runs this same function on its own process (rank 0 inside the Engine, the
+others in distributed/worker.py), with its TPGroup: each builds and loads its shard, and every forward here
+(activation profiling, kernel compilation, graph capture, warm-up) meets the other ranks' in the same order.
+Where a rank decides something alone (how many KV blocks fit, whether a graph family captured), the ranks agree
+on the smallest answer, so they keep taking the same roads.
 """
 from __future__ import annotations
 
@@ -13,6 +19,7 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.config import EngineConfig
+from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
@@ -66,7 +73,7 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
         else torch.bfloat16
 
 
-def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
+def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE) -> RunnerSetup:
     progress.begin("resolving_model")
     path = config.model_path
     if path.suffix.lower() == ".gguf":
@@ -80,6 +87,8 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     cfg = load_model_config(path)
     tokenizer = Tokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
     device = resolve_device(config.device)
+    if device.type == "cuda" and tp.size > 1:
+        device = torch.device("cuda", tp.local_rank)
     dtype = resolve_dtype(config.dtype, cfg, device)
     max_model_len = config.max_model_len or cfg.max_position_embeddings
     if cfg.sliding_window is not None and cfg.sliding_window < max_model_len:
@@ -89,8 +98,9 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     if max_model_len > cfg.max_position_embeddings:
         raise KestrelError(f"--max-model-len {max_model_len} exceeds the model's max_position_embeddings "
                            f"({cfg.max_position_embeddings})")
-    logger.info("model %s (%s), %d layers, device %s, dtype %s", path, cfg.architecture, cfg.num_layers, device,
-                str(dtype).removeprefix("torch."))
+    logger.info("model %s (%s), %d layers, device %s, dtype %s%s", path, cfg.architecture, cfg.num_layers, device,
+                str(dtype).removeprefix("torch."), f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1
+                else "")
 
     backend = select_attention_backend(config, device)
     ops = choose_layer_ops(device, backend)
@@ -99,13 +109,13 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = model_class(cfg)(cfg, ops)
+            model = model_class(cfg)(cfg, ops, tp)
         finally:
             torch.set_default_dtype(default_dtype)
     model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32
     load_weights(model, path, progress)
     model.eval()
-    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
+    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size, tp=tp)
     spec = config.speculative
     drafter = None
     if spec is not None and spec.method == "eagle3":
@@ -124,18 +134,22 @@ def build_runner(config: EngineConfig, progress: Progress) -> RunnerSetup:
     drafter_block_bytes = 0
     if drafter is not None:
         drafter_block_bytes = math.prod(drafter.kv_cache_shape(1, config.block_size)) * dtype.itemsize
-    num_blocks = size_kv_cache(config, cfg, runner, max_model_len, drafter_block_bytes)
+    num_blocks = tp.min_int(size_kv_cache(config, cfg, runner, max_model_len, drafter_block_bytes))
     runner.allocate_kv_cache(num_blocks)
     drafter_kv = None
     if drafter is not None:
         drafter_kv = torch.zeros(drafter.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=device)
     logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB)", num_blocks, config.block_size,
-                num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype) / 1e9)
+                num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype, tp.size) / 1e9)
 
     drafter_graphs = None
     if device.type == "cuda" and not config.disable_cuda_graph:
         from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, config, max_model_len, progress)
+        if tp.min_int(runner.graphs is not None) == 0:   # a rank fell back to eager decode: every rank does
+            runner.graphs = runner.prefill_graphs = None
+        elif tp.min_int(runner.prefill_graphs is not None) == 0:
+            runner.prefill_graphs = None
         if spec is not None and runner.graphs is not None:
             from kestrel.forward.decode_graphs import capture_verify_graphs
             tree = None
@@ -170,7 +184,7 @@ def select_attention_backend(config: EngineConfig, device: torch.device) -> Atte
 def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, max_model_len: int,
                   extra_bytes_per_block: int = 0) -> int:
     """Blocks of KV cache; extra_bytes_per_block: a drafter's cache, which lives in the same blocks."""
-    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype) + extra_bytes_per_block
+    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype, runner.tp.size) + extra_bytes_per_block
     # More blocks than every sequence at full length (times 2, for cached prefixes) would never be used.
     useful = 2 * config.max_num_seqs * -(-max_model_len // config.block_size)
     if config.num_gpu_blocks_override is not None:

@@ -74,8 +74,8 @@ def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tupl
 
 
 def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
-                      embed: torch.Tensor, block_table: torch.Tensor | None, bs: int, q: int, num_updates: int,
-                      block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+                      embed: torch.Tensor | None, block_table: torch.Tensor | None, bs: int, q: int,
+                      num_updates: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The graph's head in torch ops, with kestrel/kernels/triton/step_inputs.py's signature: the new table entries, the batch's
     block-table rows (whole rows, a new tensor: `block_table` and `block_size` are not used), its input tokens
     and their embeddings."""
@@ -85,7 +85,7 @@ def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], 
     tables.index_put_((view("upd_rows", num_updates), view("upd_cols", num_updates)), view("upd_vals", num_updates))
     rows = tables.index_select(0, view("rows", bs))
     input_ids = packed.index_select(0, view("input_src", bs * q))
-    return rows, input_ids, torch.nn.functional.embedding(input_ids, embed)
+    return rows, input_ids, None if embed is None else torch.nn.functional.embedding(input_ids, embed)
 
 
 @dataclass(slots=True)
@@ -140,7 +140,10 @@ class DecodeGraphs:
         # ... and so does the graph's head (table updates, block-table rows, input tokens, embeddings:
         # kestrel/kernels/triton/step_inputs.py), whose block-table rows go to this static buffer.
         self._head, self.block_table = torch_step_inputs, None
-        if fused:
+        # With tensor parallelism the embedding table is a vocab shard: the model looks tokens up itself (and
+        # all-reduces), so the head gives no embeddings and the fused head (a whole-table lookup) is not used.
+        self._embed = runner.model.embed_tokens.weight if runner.tp.size == 1 else None
+        if fused and self._embed is not None:
             from kestrel.kernels.triton.step_inputs import step_inputs   # Triton: CUDA only
             self._head = step_inputs
             self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int64, device=device)
@@ -162,7 +165,7 @@ class DecodeGraphs:
     def _graph_body(self, bs: int) -> ForwardOutput:
         n = bs * self.query_len   # query tokens
         block_table, input_ids, embeds = self._head(
-            self.dev, self.layout, self.tables, self.runner.model.embed_tokens.weight, self.block_table, bs,
+            self.dev, self.layout, self.tables, self._embed, self.block_table, bs,
             self.query_len, self.max_updates, self.runner.block_size)
         batch = ForwardBatch(
             input_ids=input_ids, positions=self._view("positions", n),

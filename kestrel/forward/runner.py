@@ -8,9 +8,10 @@ ForwardBatch and runs `forward` on it (inside a captured graph or not), so each 
     a lone sequence's prompt chunk of 2 .. 512 tokens       -> forward/prefill_graphs.py (replay)
     anything else                                           -> eager forward
 
-KV cache memory, one pair per layer (views into one allocation):
+KV cache memory, one pair per layer (views into one allocation), of this rank's KV heads (all of them with one
+rank; layers/linear.py says which with several):
 
-    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads, head_dim]
+    kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
     layer l:  k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]
 """
 from __future__ import annotations
@@ -21,20 +22,26 @@ import torch
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
+from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk, chunks_to_batch
+from kestrel.layers.linear import kv_heads_per_rank
 from kestrel.models.model_config import ModelConfig
 
 logger = logging.getLogger("kestrel.runner")
 
 
-def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
-    return 2 * cfg.num_layers * block_size * cfg.num_kv_heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
+    """Bytes of one block on one rank."""
+    heads = kv_heads_per_rank(cfg.num_kv_heads, tp_size)
+    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
-                 dtype: torch.dtype, block_size: int, capture_hidden_layers: tuple[int, ...] = ()) -> None:
+                 dtype: torch.dtype, block_size: int, capture_hidden_layers: tuple[int, ...] = (),
+                 tp: TPGroup = SINGLE) -> None:
         self.model = model
+        self.tp = tp   # the model's shard: the KV cache holds this rank's KV heads
         self.cfg = cfg
         self.backend = backend
         self.device = device
@@ -52,13 +59,21 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
         # Zeroed: padded rows and masked positions read slots nobody wrote, and they must hold finite numbers.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size, cfg.num_kv_heads,
-                                    cfg.head_dim, dtype=self.dtype, device=self.device)
+        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size,
+                                    kv_heads_per_rank(cfg.num_kv_heads, self.tp.size), cfg.head_dim,
+                                    dtype=self.dtype, device=self.device)
         self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
 
     def free_kv_cache(self) -> None:
         self.kv_cache = None
         self.kv_caches = []
+
+    def share_sampled_tokens(self, tokens: torch.Tensor) -> None:
+        """The engine drew a launched decode step's tokens itself (sampled rows of the overlap schedule): with
+        several ranks they go to every rank (distributed/driver.py); with one there is nothing to do."""
+
+    def close(self) -> None:
+        """Stop whatever the runner started besides its own memory (other ranks: distributed/driver.py)."""
 
     def decodes_in_graph(self, num_seqs: int) -> bool:
         """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""

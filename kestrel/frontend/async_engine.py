@@ -351,6 +351,8 @@ class AsyncEngine:
             self._fail_progress(event[1])
         elif kind == "exited" and not self._stopping:
             self._engine_died(event[1])
+        elif kind == "fatal":
+            self._engine_died(None, event[1])
 
     def _deliver(self, updates: list[tuple], stats: tuple | None, emitted: float) -> None:
         """Route one step's update tuples to their streams."""
@@ -375,10 +377,10 @@ class AsyncEngine:
         if stream is not None:
             stream.queue.put_nowait(item)
 
-    def _engine_died(self, exitcode: int | None) -> None:
-        if self.startup_error is not None:   # it said why already
+    def _engine_died(self, exitcode: int | None, why: str | None = None) -> None:
+        if self.startup_error is not None or self.engine_error is not None:   # it said why already
             return
-        message = f"the engine process exited unexpectedly (exit code {exitcode})"
+        message = why or f"the engine process exited unexpectedly (exit code {exitcode})"
         logger.error("%s; failing %d in-flight request(s)", message, len(self._streams))
         if self.limits is None:
             self.startup_error = EngineNotReady(message)

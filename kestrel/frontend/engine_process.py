@@ -201,8 +201,14 @@ def engine_process_main(config: EngineConfig, commands, events, stacks, log_leve
         import torch
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) - 1))
     pipe = _PipeCommands(commands)
+    send_lock = threading.Lock()   # the main thread and, with tensor parallelism, the rank watch send events
+
+    def send(event: tuple) -> None:
+        with send_lock:
+            events.send(event)
+
     try:
-        run_engine_core(config, ForwardedProgress(events.send, pipe, stall_timeout_s), pipe, events.send)
+        run_engine_core(config, ForwardedProgress(send, pipe, stall_timeout_s), pipe, send, exit_on_fatal=True)
     except (BrokenPipeError, ConnectionResetError):   # the server process is gone
         pass
 

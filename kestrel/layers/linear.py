@@ -1,16 +1,21 @@
-"""Linear layers that know their tensor-parallel shard from day one (one rank for now), and hold their method.
+"""Linear layers that know their tensor-parallel shard, and hold their method.
 
 Every call of a linear layer goes through its `method` (a LinearMethod, chosen when the model is built): the plain
 matmul, the decode-sized kernels of layers/skinny.py, later FP8, so no path through the model can skip it. A layer
 also offers the folds a decoder composes (the norm before it, SiLU-mul on its input or output, the attention
 prologue after it); the method decides per call whether one kernel does the fold or the unfused ops run.
 
-Every parameter carries a `weight_loader(param, loaded[, shard_id])` that copies its slice of a checkpoint
-tensor; with tp_size == 1 the slice is the whole tensor. QKV and gate/up are merged at load so one GEMM serves
-several checkpoint tensors:
+Every parameter carries a `weight_loader(param, loaded[, shard_id])` that copies this rank's slice of a checkpoint
+tensor; with one rank the slice is the whole tensor. QKV and gate/up are merged at load so one GEMM serves
+several checkpoint tensors. On rank r of N (heads H, KV heads K):
 
-    qkv_proj.weight: [(num_heads + 2 * num_kv_heads) * head_dim, hidden]   rows: q | k | v
-    gate_up_proj.weight: [2 * intermediate, hidden]                         rows: gate | up
+    qkv_proj.weight: [(H/N + 2 * K_r) * head_dim, hidden]   rows: q heads [r H/N, (r+1) H/N) | k | v
+                     K_r = K/N KV heads from r K/N when K >= N; else one, KV head r // (N/K), replicated on N/K ranks
+    gate_up_proj.weight: [2 * intermediate/N, hidden]        rows: gate | up, each rank's slice of both
+    o_proj, down_proj: [hidden, in/N]                        columns sliced; the partial sums are all-reduced
+
+Column-parallel layers need no communication (each rank keeps its heads / its intermediate slice); a row-parallel
+layer ends in one all-reduce, after its method, so every method (plain, skinny, later FP8) is reduced the same way.
 """
 from __future__ import annotations
 
@@ -21,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
 
 Norm = Callable[..., Any]   # RMSNorm: norm(x) -> y, norm(x, residual) -> (y, x + residual)
@@ -89,11 +95,31 @@ class LinearMethod:
 PLAIN = LinearMethod()
 
 
+def kv_heads_per_rank(num_kv_heads: int, tp_size: int) -> int:
+    """KV heads each rank holds: an even share, or one (replicated) when there are fewer KV heads than ranks."""
+    return max(1, num_kv_heads // tp_size)
+
+
+def check_tp_shape(num_heads: int, num_kv_heads: int, intermediate_size: int, tp_size: int) -> str | None:
+    """Why a model cannot be split over tp_size ranks (None: it can)."""
+    if num_heads % tp_size:
+        return f"its {num_heads} attention heads do not divide evenly over {tp_size} ranks"
+    if num_kv_heads >= tp_size and num_kv_heads % tp_size:
+        return f"its {num_kv_heads} KV heads do not divide evenly over {tp_size} ranks"
+    if num_kv_heads < tp_size and tp_size % num_kv_heads:
+        return (f"its {num_kv_heads} KV heads cannot be replicated evenly over {tp_size} ranks (the rank count "
+                "must be a multiple of the KV head count)")
+    if intermediate_size % tp_size:
+        return f"its MLP width {intermediate_size} does not divide evenly over {tp_size} ranks"
+    return None
+
+
 class LinearBase(nn.Module):
     def __init__(self, in_features: int, out_features: int, bias: bool, tp_dim: int | None,
-                 tp_rank: int = 0, tp_size: int = 1, method: LinearMethod = PLAIN) -> None:
+                 tp: TPGroup = SINGLE, method: LinearMethod = PLAIN) -> None:
         super().__init__()
-        self.tp_rank, self.tp_size, self.tp_dim = tp_rank, tp_size, tp_dim
+        self.tp = tp
+        self.tp_rank, self.tp_size, self.tp_dim = tp.rank, tp.size, tp_dim
         self.method = method
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
@@ -114,7 +140,7 @@ class LinearBase(nn.Module):
             loaded = self._shard(loaded, self.tp_dim if param.dim() > 1 else 0)
         _copy_checked(param, loaded, name)
 
-    # Every entry goes through self.method (a TP all-reduce would follow it in RowParallelLinear).
+    # Every entry goes through self.method (RowParallelLinear all-reduces what it returns).
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.method.apply(self, x)
 
@@ -139,31 +165,40 @@ class LinearBase(nn.Module):
 class ColumnParallelLinear(LinearBase):
     """Output features split across ranks."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, method: LinearMethod = PLAIN) -> None:
-        super().__init__(in_features, out_features // tp_size, bias, 0, tp_rank, tp_size, method)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 method: LinearMethod = PLAIN) -> None:
+        super().__init__(in_features, out_features // tp.size, bias, 0, tp, method)
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; the partial sums would be all-reduced (one rank: nothing to do)."""
+    """Input features split across ranks; each rank's partial sums are all-reduced (one rank: nothing to do)."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, method: LinearMethod = PLAIN) -> None:
-        super().__init__(in_features // tp_size, out_features, bias, 1, tp_rank, tp_size, method)
+    def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
+                 method: LinearMethod = PLAIN) -> None:
+        super().__init__(in_features // tp.size, out_features, bias, 1, tp, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?") -> None:
         if param.dim() > 1:
             loaded = self._shard(loaded, 1)
+        elif self.tp_rank != 0:
+            loaded = torch.zeros_like(loaded)   # the bias is added once: by rank 0's partial sum
         _copy_checked(param, loaded, name)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(self.method.apply(self, x))
+
+    def silu_forward(self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
+                     ) -> torch.Tensor:
+        return self.tp.all_reduce(self.method.apply_silu(self, gate_up, silu_and_mul))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
     """Several column-parallel outputs stacked in one weight (gate | up)."""
 
-    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, tp_rank: int = 0,
-                 tp_size: int = 1, method: LinearMethod = PLAIN) -> None:
+    def __init__(self, in_features: int, output_sizes: list[int], bias: bool = False, tp: TPGroup = SINGLE,
+                 method: LinearMethod = PLAIN) -> None:
         self.output_sizes = output_sizes
-        super().__init__(in_features, sum(output_sizes), bias, tp_rank, tp_size, method)
+        super().__init__(in_features, sum(output_sizes), bias, tp, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
                       shard_id: int = 0) -> None:
@@ -173,17 +208,24 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
+    """q | k | v of this rank's heads in one weight (the module docstring draws the rows)."""
+
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool = False,
-                 tp_rank: int = 0, tp_size: int = 1, method: LinearMethod = PLAIN) -> None:
+                 tp: TPGroup = SINGLE, method: LinearMethod = PLAIN) -> None:
         self.head_dim = head_dim
-        self.num_heads = num_heads // tp_size
-        self.num_kv_heads = max(1, num_kv_heads // tp_size)
-        out = (num_heads + 2 * num_kv_heads) * head_dim
-        super().__init__(hidden_size, out, bias, tp_rank, tp_size, method)
+        self.num_heads = num_heads // tp.size
+        self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
+        # which of the checkpoint's KV-head groups this rank holds (a replicated head is held by N/K ranks)
+        self.kv_shard = tp.rank // max(1, tp.size // num_kv_heads)
+        out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
+        LinearBase.__init__(self, hidden_size, out, bias, 0, tp, method)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
                       shard_id: str = "q") -> None:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size = {"q": (0, q_size), "k": (q_size, kv_size), "v": (q_size + kv_size, kv_size)}[shard_id]
-        _copy_checked(param.data.narrow(0, offset, size), self._shard(loaded, 0), name)
+        offset, size, index = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, self.kv_shard),
+                               "v": (q_size + kv_size, kv_size, self.kv_shard)}[shard_id]
+        if self.tp_size > 1:
+            loaded = loaded.narrow(0, index * size, size)
+        _copy_checked(param.data.narrow(0, offset, size), loaded, name)

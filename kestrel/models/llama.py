@@ -1,7 +1,9 @@
 """The Llama family (Llama, Llama-3, Mistral, Qwen2, Qwen3): one model, differences are config flags.
 
 The file is the math and the weight names; which kernels run is the LayerOps the model is built with
-(layers/ops.py), handed to every block.
+(layers/ops.py), handed to every block, and which shard of each weight this process holds is its TPGroup
+(distributed/comm.py): attention heads and MLP width split over the ranks, one all-reduce after o_proj and one
+after down_proj, the vocabulary split in the embedding and lm_head (layers/linear.py, layers/embedding.py).
 
     Qwen2: bias on q/k/v.   Qwen3: RMSNorm on each head of q and k before rotary.   Llama-3: scaled rotary.
 """
@@ -11,6 +13,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
+from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.batch import ForwardBatch
 from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RopeInputs, RowParallelLinear
@@ -21,15 +24,18 @@ from kestrel.models.model_config import ModelConfig
 
 
 class Attention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.scale = cfg.head_dim ** -0.5
         self.qkv_proj = QKVParallelLinear(cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads,
-                                          bias=cfg.qkv_bias, method=ops.linear_method)
-        self.o_proj = RowParallelLinear(self.q_size, cfg.hidden_size, bias=False, method=ops.linear_method)
+                                          bias=cfg.qkv_bias, tp=tp, method=ops.linear_method)
+        # this rank's heads (all of them with one rank)
+        self.num_heads, self.num_kv_heads = self.qkv_proj.num_heads, self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.scale = cfg.head_dim ** -0.5
+        self.o_proj = RowParallelLinear(cfg.num_heads * cfg.head_dim, cfg.hidden_size, bias=False, tp=tp,
+                                        method=ops.linear_method)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.rms_norm) if cfg.qk_norm else None
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps, ops.rms_norm) if cfg.qk_norm else None
         self.rotary = rotary   # shared by all layers, not a child module (one cos/sin cache)
@@ -79,11 +85,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2,
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
                                                        method=ops.linear_method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, method=ops.linear_method)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp,
+                                           method=ops.linear_method)
         self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -98,10 +105,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, ops)
-        self.mlp = MLP(cfg, ops)
+        self.self_attn = Attention(cfg, rotary, ops, tp)
+        self.mlp = MLP(cfg, ops, tp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
 
@@ -121,16 +128,17 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
 
-    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.config = cfg
+        self.tp = tp
         rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                  ops.apply_rotary)
         self.rotary = rotary
-        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, ops) for _ in range(cfg.num_layers))
+        self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, ops, tp) for _ in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -1,0 +1,135 @@
+"""Rank 0: start the other ranks, and a runner that tells them every step before running it.
+
+    Engine (rank 0 only: scheduler, sampler, stop rules)
+      └► DriverRunner.execute(chunks) ── broadcast ("execute", chunks) over the CPU group ──► every worker
+           └► ModelRunner.execute(chunks)                                                     ModelRunner.execute
+                 the model's all-reduces / all-gather meet across the ranks (device group)
+
+Every rank holds the same runner state (graphs, their block-table rows), so each takes the same road and
+replays the same graph; the logits are gathered on every rank, rank 0 samples. Startup needs no commands: every
+rank runs the same startup, whose forwards meet in the same order.
+"""
+from __future__ import annotations
+
+import logging
+import time
+from typing import Callable
+
+import torch
+
+from kestrel.config import EngineConfig
+from kestrel.distributed.comm import TPGroup
+from kestrel.distributed.group import join_group, leave_group, open_store, rendezvous_of
+from kestrel.distributed.workers import RankWatch, start_workers, stop_workers
+from kestrel.errors import KestrelError
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
+from kestrel.forward.runner import ModelRunner
+from kestrel.layers.linear import check_tp_shape
+from kestrel.models.checkpoint import load_model_config
+from kestrel.progress import Progress
+
+logger = logging.getLogger("kestrel.distributed")
+
+OnFailure = Callable[[str], None]
+
+
+class RankFailure(KestrelError):
+    """A tensor-parallel rank died or hangs: the ranks cannot go on together."""
+
+
+class Ranks:
+    """Rank 0's handle on the others: its group, this node's worker processes, the store, the watch."""
+
+    def __init__(self, config: EngineConfig, progress: Progress, on_failure: OnFailure | None = None) -> None:
+        n = config.tensor_parallel_size
+        cfg = load_model_config(config.model_path)
+        why = check_tp_shape(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, n)
+        if why is not None:
+            raise KestrelError(f"--tensor-parallel-size {n}: the model cannot be split, {why}")
+        rdv = rendezvous_of(config)
+        progress.begin("starting_ranks", n, "ranks")
+        self.store = open_store(rdv, is_master=True)
+        self.procs = start_workers(config, rdv, rdv.ranks_of_node(0)[1:])
+        self.busy_since: float | None = None
+        self.watch = RankWatch(self.procs, on_failure or (lambda message: None), self.store,
+                               lambda: self.busy_since, config.dist_timeout)
+        try:
+            self.tp = join_group(rdv, 0, self.store, _device_type(config))
+        except KestrelError:
+            self.close()
+            if self.watch.failure is not None:
+                raise RankFailure(self.watch.failure) from None
+            raise
+        progress.update(n)
+        logger.info("%d tensor-parallel ranks joined at %s:%d (%d node(s))", n, rdv.host, rdv.port, config.nnodes)
+
+    def explain(self, exc: BaseException, wait_s: float = 2.0) -> BaseException:
+        """A collective that failed (RuntimeError) because a rank died: RankFailure naming the rank, once the
+        watch has found it (within wait_s); any other error as it is."""
+        if not isinstance(exc, RuntimeError):
+            return exc
+        deadline = time.monotonic() + wait_s
+        while self.watch.failure is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return RankFailure(self.watch.failure or f"a tensor-parallel collective failed: {exc}")
+
+    def close(self) -> None:
+        self.watch.stop()
+        stop_workers(self.procs)
+        leave_group()
+
+
+def _device_type(config: EngineConfig) -> str:
+    from kestrel.engine.startup import resolve_device
+
+    return resolve_device(config.device).type
+
+
+class DriverRunner:
+    """Rank 0's runner: each step goes to the other ranks, then runs here. Everything else (graphs, device, the
+    KV cache) is the local ModelRunner's, read through."""
+
+    def __init__(self, runner: ModelRunner, ranks: Ranks) -> None:
+        self.runner = runner
+        self.ranks = ranks
+        self.tp: TPGroup = ranks.tp
+
+    def __getattr__(self, name: str):
+        # only reached for what this class does not define: the local runner's attributes (graphs, device, ...)
+        runner = self.__dict__.get("runner")
+        if runner is None:   # released (llm.py clears a runner's attributes)
+            raise AttributeError(name)
+        return getattr(runner, name)
+
+    def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:
+        return self._step(("execute", chunks), lambda: self.runner.execute(chunks))
+
+    def forward(self, batch: ForwardBatch, float_logits: bool = True) -> ForwardOutput:
+        host_batch = batch if batch.input_ids.device.type == "cpu" else batch.to(torch.device("cpu"))
+        return self._step(("forward", host_batch, float_logits), lambda: self.runner.forward(batch, float_logits))
+
+    def share_sampled_tokens(self, tokens: torch.Tensor) -> None:
+        self._step(("tokens",), lambda: self.tp.broadcast_tensor(tokens))
+
+    def _step(self, command: tuple, run: Callable[[], object]):
+        self.ranks.busy_since = time.monotonic()
+        try:
+            self.tp.broadcast_object(command)
+            return run()
+        except RuntimeError as exc:   # a collective failed: a rank is gone; the watch says which, soon
+            raise self.ranks.explain(exc) from exc
+        finally:
+            self.ranks.busy_since = None
+
+    def close(self) -> None:
+        """Tell the workers to stop, then stop them (idempotent)."""
+        ranks, self.__dict__["ranks"] = self.__dict__.get("ranks"), None
+        if ranks is None:
+            return
+        if ranks.watch.failure is None:
+            try:
+                self.tp.broadcast_object(("stop",))
+            except RuntimeError:
+                pass
+        ranks.close()
+        self.runner.close()

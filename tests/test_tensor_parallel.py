@@ -1,0 +1,157 @@
+"""Tensor parallelism on the CPU (gloo, float32): N ranks compute what one rank computes.
+
+Each case builds the same model at TP=1 and TP=N through LLM(...), which starts the N - 1 worker processes: the
+prompt logits agree within 1e-5 and greedy generation gives identical tokens. The shapes cover an even split of
+the KV heads, KV heads replicated over ranks (fewer KV heads than ranks), a vocabulary that does not divide evenly
+(padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel import LLM, SamplingParams
+from kestrel.config import EngineConfig
+from kestrel.errors import KestrelError
+
+PROMPTS = [
+    "def add(a, b):\n    return a + b\n",
+    "import os",
+    "class Stack:\n    def __init__(self):\n        self.items = []\n",
+]
+GREEDY = SamplingParams(max_tokens=10, temperature=0, ignore_eos=True)
+
+
+def run(model: str, tp: int, **kw) -> tuple[list[torch.Tensor], list[list[int]]]:
+    """(prompt logits of each prompt, greedy tokens of each prompt) at tensor_parallel_size=tp."""
+    llm = LLM(model=model, device="cpu", tensor_parallel_size=tp, **kw)
+    try:
+        logits = [llm.engine.prompt_logits(llm.tokenizer.encode(p)) for p in PROMPTS]
+        tokens = [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]
+        if tp > 1:
+            assert llm.engine.runner.tp.size == tp
+        return logits, tokens
+    finally:
+        llm.shutdown()
+
+
+def assert_same(model: str, tp: int, **kw) -> None:
+    ref_logits, ref_tokens = run(model, 1, **kw)
+    logits, tokens = run(model, tp, **kw)
+    for ref, got in zip(ref_logits, logits):
+        assert got.shape == ref.shape
+        assert (got - ref).abs().max().item() < 1e-5
+    assert tokens == ref_tokens
+
+
+CASES = [
+    (2, dict(arch="llama")),                                   # 2 KV heads: one per rank
+    (2, dict(arch="llama", tie=True, shard=True)),             # tied lm_head shares the embedding's shard
+    (2, dict(arch="qwen2", num_kv_heads=4)),                   # q/k/v biases
+    (2, dict(arch="qwen3", num_kv_heads=1, vocab_size=389)),   # q/k norms; one KV head on both ranks; odd vocab
+    (2, dict(arch="mistral")),
+    (3, dict(arch="llama", num_heads=6, num_kv_heads=1, hidden_size=96, intermediate_size=96,
+             vocab_size=391)),                                 # 391 = 3 * 130 + 1: the last shard padded
+    (4, dict(arch="llama3", num_kv_heads=2)),                  # each KV head on two ranks
+]
+
+
+@pytest.mark.parametrize("tp,case", CASES, ids=[f"tp{tp}-" + "-".join(f"{k}={v}" for k, v in c.items())
+                                                for tp, c in CASES])
+def test_tp_logits_and_greedy_tokens_equal_one_rank(checkpoint_factory, tp, case):
+    assert_same(str(checkpoint_factory(**case)), tp)
+
+
+def test_default_model_at_tp2_equals_one_rank():
+    assert_same(None, 2)
+
+
+def test_chunked_prefill_and_preemption_at_tp2_keep_tokens(checkpoint_factory):
+    # 4-token blocks, few of them, and a 16-token step budget: prompts in chunks, decodes preempted
+    assert_same(str(checkpoint_factory("llama")), 2, block_size=4, num_gpu_blocks_override=24,
+                max_num_batched_tokens=16, disable_prefix_cache=True)
+
+
+def test_heads_that_do_not_split_are_refused_before_any_rank_starts():
+    with pytest.raises(KestrelError, match=r"--tensor-parallel-size 3: the model cannot be split, its 4 attention "
+                                           r"heads do not divide evenly over 3 ranks"):
+        LLM(device="cpu", tensor_parallel_size=3)
+
+
+def test_kv_heads_that_cannot_be_replicated_evenly_are_refused(checkpoint_factory):
+    path = checkpoint_factory("llama", num_heads=6, num_kv_heads=2, hidden_size=96, intermediate_size=96)
+    with pytest.raises(KestrelError, match="2 KV heads cannot be replicated evenly over 3 ranks"):
+        LLM(model=str(path), device="cpu", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("kwargs,message", [
+    (dict(tensor_parallel_size=0), "--tensor-parallel-size 0 is invalid"),
+    (dict(tensor_parallel_size=4, nnodes=3), "--nnodes 3 is invalid"),
+    (dict(tensor_parallel_size=2, nnodes=2), "--nnodes > 1 needs --dist-init-addr"),
+    (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank 2 is invalid"),
+    (dict(tensor_parallel_size=2, dist_init_addr="nohostport"), "--dist-init-addr 'nohostport' is invalid"),
+    (dict(tensor_parallel_size=2, speculative_algorithm="NGRAM"), "speculative decoding with"),
+])
+def test_parallel_options_are_checked_at_the_edge(kwargs, message):
+    with pytest.raises(KestrelError, match=message):
+        EngineConfig(**kwargs)
+
+
+def test_tp_flag_and_its_alias_reach_the_config():
+    from kestrel.cli import build_parser
+    from kestrel.config import config_from_args
+
+    parser, _ = build_parser()
+    for flag in ("--tensor-parallel-size", "--tp"):
+        args = parser.parse_args(["serve", flag, "2", "--nnodes", "2", "--node-rank", "1",
+                                  "--dist-init-addr", "10.0.0.1:5000"])
+        config = config_from_args(args)
+        assert (config.tensor_parallel_size, config.nnodes, config.node_rank) == (2, 2, 1)
+        assert config.dist_address == ("10.0.0.1", 5000)
+
+
+def _worker_processes():
+    import psutil
+
+    return [p for p in psutil.Process().children(recursive=True)
+            if "kestrel.distributed.worker" in " ".join(p.cmdline())]
+
+
+def test_a_killed_rank_fails_the_next_generate_with_its_name(checkpoint_factory):
+    from kestrel.distributed.driver import RankFailure
+
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
+    try:
+        [worker] = _worker_processes()
+        worker.kill()   # not waited for here: the engine's own watch reaps it and reads its exit code
+        with pytest.raises(RankFailure, match=rf"tensor-parallel rank 1 \(pid {worker.pid}\) exited with code -9"):
+            llm.generate(PROMPTS, GREEDY)
+    finally:
+        llm.shutdown()
+
+
+def test_a_hung_rank_is_named_after_the_timeout_instead_of_hanging(checkpoint_factory):
+    import signal
+    import time
+
+    from kestrel.distributed.driver import RankFailure
+
+    # the timeout covers joining too: long enough for a worker to import torch on a slow machine
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2, dist_timeout=15)
+    [worker] = _worker_processes()
+    try:
+        worker.send_signal(signal.SIGSTOP)
+        start = time.monotonic()
+        with pytest.raises(RankFailure, match="a rank hangs"):
+            llm.generate(PROMPTS, GREEDY)
+        assert time.monotonic() - start < 30
+    finally:
+        worker.kill()
+        llm.shutdown()
+
+
+def test_shutdown_stops_every_rank(checkpoint_factory):
+    llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
+    procs = dict(llm.engine.runner.ranks.procs)
+    assert list(procs) == [1]
+    llm.shutdown()
+    assert [p.returncode for p in procs.values()] == [0]   # stopped by rank 0, not killed
