@@ -31,7 +31,7 @@ STAGES: tuple[tuple[str, str, str], ...] = (
     ("emit", "forward_done", "emitted"),             # stop checks, the step's updates and stats built
     ("ipc_to_server", "emitted", "delivered"),       # pickled, pipe, read by the event loop, routed to the stream
     ("detokenize", "delivered", "detokenized"),      # the handler's task woken, tokens turned into text
-    ("sse_write", "detokenized", "written"),         # the chunk's JSON, handed to the connection's transport
+    ("sse_write", "detokenized", "written"),         # the chunk's JSON built and handed over to be written
 )
 STAGE_NAMES = tuple(name for name, _, _ in STAGES)
 

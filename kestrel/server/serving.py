@@ -279,8 +279,10 @@ async def framed_stream(gen: Generation, head: dict, include_usage: bool,
     generation fails after the headers went out (as vLLM does), then [DONE]; the generation is closed either way."""
     try:
         async for chunk in chunks:
-            yield chunk   # resumed once the server has handed the chunk to the connection's transport
+            # stamped as the chunk leaves for the connection, not when this generator resumes after the write:
+            # on a busy host the resume can come after the client has the bytes, so the stamp would not be causal
             gen.first_chunk_written()
+            yield chunk
         if include_usage:
             yield sse(json.dumps(dict(head, choices=[], usage=gen.usage().model_dump())))
     except Exception as exc:   # noqa: BLE001 - headers are sent: report in-band
