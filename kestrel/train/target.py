@@ -27,7 +27,9 @@ from kestrel.train.data import Prompt, Sample
 
 logger = logging.getLogger("kestrel.train")
 
-GENERATE_CHUNK = 256   # prompts handed to the engine at once: enough to fill a batch, few enough to show progress
+# prompts handed to the engine at once: enough to fill a batch, few enough that progress shows every few seconds
+# (a CPU step of 256 sequences takes seconds)
+GENERATE_CHUNK = {"cuda": 256, "cpu": 64}
 
 
 @dataclass(slots=True)
@@ -81,8 +83,9 @@ class Target:
         samples: list[Sample] = []
         room = min(self.max_model_len, max_len) - max_new_tokens
         todo = [(i, ids) for i, ids in enumerate(self.prompt_ids(p) for p in prompts) if 0 < len(ids) <= room]
-        for start in range(0, len(todo), GENERATE_CHUNK):
-            chunk = todo[start:start + GENERATE_CHUNK]
+        size = GENERATE_CHUNK.get(self.runner.device.type, 64)
+        for start in range(0, len(todo), size):
+            chunk = todo[start:start + size]
             params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples_per_prompt,
                                      seed=None if temperature == 0 else seed + i) for i, _ in chunk]
             for (_, ids), out in zip(chunk, self.llm.generate([ids for _, ids in chunk], params)):
