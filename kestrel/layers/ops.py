@@ -12,6 +12,7 @@ no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, an
                                            and attention prologue folded in; cuBLAS above)
     attn_prologue   kestrel/kernels/triton/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
                                            backend that accepts K/V already in the cache
+    fused_moe       layers/moe.py's fused_experts_torch everywhere for now; the fused Triton MoE kernel plugs in here
 """
 from __future__ import annotations
 
@@ -24,6 +25,7 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.envs import DevSwitches, switches
 from kestrel.layers.linear import PLAIN, LinearMethod, silu_and_mul_torch
+from kestrel.layers.moe import ExpertsImpl, fused_experts_torch
 from kestrel.layers.norm import rms_norm_torch
 from kestrel.layers.rotary import apply_rotary_torch
 
@@ -39,6 +41,8 @@ class LayerOps:
     # (qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, heads, kv_heads,
     # head_dim) -> rotated q, k and v written to the caches; None: the backend writes K/V itself
     attn_prologue: Callable[..., torch.Tensor] | None = None
+    # (x, w13, w2, topk_ids, topk_weights, silu_and_mul) -> the experts' weighted sum (layers/moe.py)
+    fused_moe: ExpertsImpl = fused_experts_torch
 
 
 TORCH_OPS = LayerOps(rms_norm=rms_norm_torch, apply_rotary=apply_rotary_torch, silu_and_mul=silu_and_mul_torch)

@@ -5,6 +5,7 @@ from torch import nn
 
 from kestrel.errors import ModelLoadError
 from kestrel.models.llama import LlamaForCausalLM
+from kestrel.models.llama_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kestrel.models.model_config import ModelConfig
 
 MODEL_CLASSES: dict[str, type[nn.Module]] = {
@@ -12,6 +13,8 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Qwen3ForCausalLM": LlamaForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
 }
 
 
