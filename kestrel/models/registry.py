@@ -4,6 +4,7 @@ from __future__ import annotations
 from torch import nn
 
 from kestrel.errors import ModelLoadError
+from kestrel.models.deepseek_v3 import DeepseekV3ForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.llama_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kestrel.models.model_config import ModelConfig
@@ -15,6 +16,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3ForCausalLM": LlamaForCausalLM,
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
+    "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
 }
 
 
