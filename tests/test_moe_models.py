@@ -49,6 +49,11 @@ CONFIGS = {
                                                   routed_scaling_factor=1.5, norm_topk_prob=False,
                                                   max_position_embeddings=256, rms_norm_eps=1e-5,
                                                   tie_word_embeddings=False, rope_scaling=None)),
+    # partial rotary (half of each head), q/k/v bias, q/k norm, DeepSeek's router with 2 groups, a dense layer 0
+    "glm4_moe": ("glm4_moe", dict(COMMON, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
+                                  moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,
+                                  routed_scaling_factor=1.8, norm_topk_prob=True, partial_rotary_factor=0.5,
+                                  attention_bias=True, use_qk_norm=True)),
 }
 
 
@@ -63,6 +68,8 @@ def make_moe_checkpoint(out: Path, name: str, seed: int = 0) -> Path:
         for pname, p in model.named_parameters():
             if "norm" in pname:
                 p.copy_(1.0 + 0.1 * torch.randn_like(p))
+            elif pname.endswith("bias"):
+                p.copy_(0.05 * torch.randn_like(p))
             else:
                 p.copy_(0.08 * torch.randn_like(p))
         for bname, b in model.named_buffers():

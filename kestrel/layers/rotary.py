@@ -48,6 +48,24 @@ class RotaryEmbedding(nn.Module):
         return self.op(q, k, positions, self.cos_sin_cache)
 
 
+class PartialRotaryEmbedding(RotaryEmbedding):
+    """Rotary on the first rotary_dim dims of each head (HF's partial_rotary_factor); the rest pass through.
+
+        head: [ rotated (rotary_dim, halves layout) | unrotated (head_dim - rotary_dim) ]
+    cos_sin_cache is rotary_dim wide, so a fused prologue that assumes a full-width table must not be used with it
+    (models/glm4_moe.py builds its attention without one)."""
+
+    def __init__(self, rotary_dim: int, max_position: int, base: float, scaling: dict[str, Any] | None,
+                 op: Callable[..., tuple[torch.Tensor, torch.Tensor]] = apply_rotary_torch) -> None:
+        super().__init__(rotary_dim, max_position, base, scaling, op)
+        self.rotary_dim = rotary_dim
+
+    def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor):
+        d = self.rotary_dim
+        q_rot, k_rot = self.op(q[..., :d].contiguous(), k[..., :d].contiguous(), positions, self.cos_sin_cache)
+        return torch.cat([q_rot, q[..., d:]], dim=-1), torch.cat([k_rot, k[..., d:]], dim=-1)
+
+
 def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     cos = torch.cat([cos, cos], dim=-1)
     sin = torch.cat([sin, sin], dim=-1)

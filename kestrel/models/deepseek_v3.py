@@ -101,7 +101,7 @@ class DeepseekDecoderLayer(nn.Module):
         return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
-def _grouped_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routing:
+def grouped_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routing:
     return grouped_sigmoid_topk(logits, cfg.num_experts_per_tok, gate.e_score_correction_bias, cfg.n_group,
                                 cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
 
@@ -120,5 +120,5 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         if index in cfg.dense_layers:
             mlp: nn.Module = MLP(cfg, ops)
         else:
-            mlp = MoEMLP(cfg, ops, partial(_grouped_route, cfg), correction_bias=True)
+            mlp = MoEMLP(cfg, ops, partial(grouped_route, cfg), correction_bias=True)
         return DeepseekDecoderLayer(cfg, rotary, ops, mlp)

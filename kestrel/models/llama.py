@@ -133,9 +133,7 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 ops.apply_rotary)
-        self.rotary = rotary
+        self.rotary = rotary = self.make_rotary(cfg, ops)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
         self.layers = nn.ModuleList(self.make_layer(i, cfg, rotary, ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
@@ -143,9 +141,14 @@ class LlamaForCausalLM(nn.Module):
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def make_rotary(self, cfg: ModelConfig, ops: LayerOps) -> RotaryEmbedding:
+        """The rotary table every layer shares (GLM-4-MoE rotates part of each head: glm4_moe.py)."""
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                               ops.apply_rotary)
+
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
-        """Layer `index`; the MoE and MLA models (llama_moe.py, deepseek_v3.py) build theirs here."""
+        """Layer `index`; the MoE and MLA models (llama_moe.py, deepseek_v3.py, glm4_moe.py) build theirs here."""
         return DecoderLayer(cfg, rotary, ops, tp)
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend,

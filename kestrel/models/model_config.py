@@ -12,7 +12,7 @@ from typing import Any
 from kestrel.errors import ModelLoadError
 
 SUPPORTED_ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM",
-                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM")
+                           "Qwen3MoeForCausalLM", "MixtralForCausalLM", "DeepseekV3ForCausalLM", "Glm4MoeForCausalLM")
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +36,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    rotary_dim: int = 0                   # partial rotary (GLM-4-MoE): the first rotary_dim dims of a head; 0: all
     # Mixture of experts (kestrel/layers/moe.py); num_experts 0: every layer has the dense MLP
     num_experts: int = 0
     num_experts_per_tok: int = 0
@@ -113,11 +114,12 @@ def hf_model_config(model_dir: Path) -> ModelConfig:
             max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             qkv_bias=bool(raw.get("attention_bias", default_bias)) or default_bias,
-            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM"),
+            qk_norm=arch in ("Qwen3ForCausalLM", "Qwen3MoeForCausalLM") or bool(raw.get("use_qk_norm", False)),
             sliding_window=int(window) if window else None,
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            rotary_dim=_rotary_dim(raw, rope, num_heads),
             **_moe_fields(arch, raw), **(_mla_fields(raw) if mla else {}),
         )
     except KeyError as exc:
@@ -139,7 +141,7 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
         # Mixtral's experts are as wide as its intermediate_size; top-k then softmax == renormalised softmax top-k
         return dict(num_experts=int(raw["num_local_experts"]), num_experts_per_tok=int(raw["num_experts_per_tok"]),
                     moe_intermediate_size=int(raw["intermediate_size"]), norm_topk_prob=True)
-    if arch == "DeepseekV3ForCausalLM":
+    if arch in ("DeepseekV3ForCausalLM", "Glm4MoeForCausalLM"):   # the same router and shared experts
         experts = int(raw.get("n_routed_experts") or raw.get("num_local_experts") or 0)
         first_dense = int(raw.get("first_k_dense_replace", 0))
         return dict(num_experts=experts, num_experts_per_tok=int(raw["num_experts_per_tok"]),
@@ -150,6 +152,15 @@ def _moe_fields(arch: str, raw: dict[str, Any]) -> dict[str, Any]:
                     topk_group=int(raw.get("topk_group") or 1),
                     routed_scaling_factor=float(raw.get("routed_scaling_factor", 1.0)))
     return {}
+
+
+def _rotary_dim(raw: dict[str, Any], rope: dict[str, Any], num_heads: int) -> int:
+    """Rotated dims of a head when only a fraction rotates (partial_rotary_factor < 1), else 0 (all of them)."""
+    factor = float(raw.get("partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0)
+    if factor >= 1.0:
+        return 0
+    head_dim = int(raw.get("head_dim") or int(raw["hidden_size"]) // num_heads)
+    return int(head_dim * factor)
 
 
 def _mla_fields(raw: dict[str, Any]) -> dict[str, Any]:

@@ -5,6 +5,7 @@ from torch import nn
 
 from kestrel.errors import ModelLoadError
 from kestrel.models.deepseek_v3 import DeepseekV3ForCausalLM
+from kestrel.models.glm4_moe import Glm4MoeForCausalLM
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.llama_moe import MixtralForCausalLM, Qwen3MoeForCausalLM
 from kestrel.models.model_config import ModelConfig
@@ -17,6 +18,7 @@ MODEL_CLASSES: dict[str, type[nn.Module]] = {
     "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "MixtralForCausalLM": MixtralForCausalLM,
     "DeepseekV3ForCausalLM": DeepseekV3ForCausalLM,
+    "Glm4MoeForCausalLM": Glm4MoeForCausalLM,
 }
 
 
