@@ -75,6 +75,17 @@ def test_alignment_puts_each_row_once_in_tiles_of_one_expert(tokens, experts, to
             assert rows.numel() > 0 and bool((flat[rows.long()] == expert).all())
 
 
+def test_capture_safe_dense_experts_equal_the_sparse_loop():
+    """The road taken while a CUDA graph is captured (no host reads) computes the same sums."""
+    from kestrel.layers.moe import _experts_dense
+    from kestrel.layers.linear import silu_and_mul_torch
+
+    gen = torch.Generator().manual_seed(7)
+    x, w13, w2, ids, weights = random_problem(19, 8, 2, 64, 32, torch.float32, gen, pick=[0, 3, 4])
+    torch.testing.assert_close(_experts_dense(x, w13, w2, ids, weights, silu_and_mul_torch),
+                               fused_experts_torch(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5)
+
+
 def test_softmax_topk_renormalised_equals_topk_then_softmax():
     """Mixtral's definition (top-k of the logits, softmax over those) is the renormalised softmax top-k."""
     logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))

@@ -163,6 +163,20 @@ def test_decode_logits_over_the_cache_close_to_hf(moe_checkpoint, name):
     engine.pool.release(table)
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
+def test_speculative_verify_steps_keep_hf_tokens(moe_checkpoint, name):
+    """Prompt-lookup drafts verified k + 1 tokens a step (over the latent cache for DeepSeek), rejected drafts
+    rolled back: the tokens stay HF's."""
+    path = moe_checkpoint(name)
+    llm = LLM(model=str(path), device="cpu", block_size=4,
+              speculative_config={"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_min": 1,
+                                  "prompt_lookup_max": 3, "adaptive": False})
+    results = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    expected = hf_greedy(hf_model(path), [r.prompt_token_ids for r in results], MAX_TOKENS)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert llm.engine.spec.counters.num_draft_tokens > 0
+
+
 def test_moe_models_refuse_tensor_parallelism(moe_checkpoint):
     from kestrel.models.model_config import hf_model_config
     from kestrel.models.registry import model_class

@@ -80,8 +80,11 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         topk_ids  [T, k] ──flatten──► [T k] ──argsort──► order: rows of expert 0 | rows of expert 1 | ...
         row r of the flattened ids is token r // k's slot r % k
 
-    Outputs are summed in float32 and in expert order, then cast back. Reads the per-expert counts on the host:
-    fine for the CPU road, not for a CUDA graph (the fused kernel replaces it there)."""
+    Outputs are summed in float32 and in expert order, then cast back. Reads the per-expert counts on the host,
+    which a CUDA graph cannot: while one is being captured every expert runs on every token instead (weight 0
+    where not chosen), correct and E / k times the work, until the fused kernel takes this op's place on CUDA."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _experts_dense(x, w13, w2, topk_ids, topk_weights, silu_and_mul)
     num_tokens, k = topk_ids.shape
     flat_ids = topk_ids.reshape(-1)
     order = torch.argsort(flat_ids, stable=True)
@@ -98,6 +101,17 @@ def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, to
         hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))
         y = F.linear(hidden, w2[expert])
         out.index_add_(0, tokens, y.float() * flat_weights[rows, None])
+    return out.to(x.dtype)
+
+
+def _experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fused_experts_torch without host reads: each expert on all tokens, weighted by the router (0: not chosen)."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)     # [T]
+        y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        out += y.float() * weight[:, None]
     return out.to(x.dtype)
 
 
