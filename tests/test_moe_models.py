@@ -49,6 +49,20 @@ CONFIGS = {
                                                   routed_scaling_factor=1.5, norm_topk_prob=False,
                                                   max_position_embeddings=256, rms_norm_eps=1e-5,
                                                   tie_word_embeddings=False, rope_scaling=None)),
+    # YaRN: DeepSeek's released form (mscale = mscale_all_dim, so the softmax scale grows, the table does not)
+    "deepseek_v3_yarn": ("deepseek_v3", dict(dict(
+        hidden_size=128, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=4, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, first_k_dense_replace=1, kv_lora_rank=32, q_lora_rank=48, qk_rope_head_dim=16,
+        qk_nope_head_dim=16, v_head_dim=16, routed_scaling_factor=2.5, norm_topk_prob=True,
+        max_position_embeddings=256, rms_norm_eps=1e-5, tie_word_embeddings=False),
+        rope_scaling={"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+                      "mscale_all_dim": 1.0, "beta_fast": 32, "beta_slow": 1, "rope_theta": 10000.0})),
+    # YaRN with the attention factor on the table (mscale alone)
+    "qwen3_moe_yarn": ("qwen3_moe", dict(COMMON, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+                                         norm_topk_prob=True,
+                                         rope_scaling={"rope_type": "yarn", "factor": 4.0, "rope_theta": 10000.0,
+                                                       "original_max_position_embeddings": 64})),
     # partial rotary (half of each head), q/k/v bias, q/k norm, DeepSeek's router with 2 groups, a dense layer 0
     "glm4_moe": ("glm4_moe", dict(COMMON, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2,
                                   moe_intermediate_size=32, n_group=2, topk_group=1, first_k_dense_replace=1,

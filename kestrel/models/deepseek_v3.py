@@ -10,8 +10,8 @@ lm_head).
          chooses, never weighs), weights renormalised if norm_topk_prob, times routed_scaling_factor, plus the
          shared experts' MLP on every token
 
-Not yet: YaRN rope scaling (DeepSeek-V3's released config uses it; model_config refuses it with a message), the
-multi-token-prediction layer (num_nextn_predict_layers: its weights sit past num_hidden_layers and are not
+YaRN rope scaling (DeepSeek-V3's released config) scales the rotary table (layers/rotary.py) and the softmax
+(`softmax_scale`). Not yet: the multi-token-prediction layer (num_nextn_predict_layers: its weights sit past num_hidden_layers and are not
 loaded), tensor parallelism (refused).
 """
 from __future__ import annotations
@@ -29,12 +29,20 @@ from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kestrel.layers.moe import Router, Routing, expert_weight_names, grouped_sigmoid_topk
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
-from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.layers.rotary import RotaryEmbedding, yarn_mscale
 from kestrel.models.llama import MLP, LlamaForCausalLM
 from kestrel.models.llama_moe import MoEMLP, refuse_tensor_parallel
 from kestrel.models.model_config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm and kv_a_layernorm use DeepSeek's default eps, not rms_norm_eps
+
+
+def softmax_scale(qk_dim: int, rope_scaling: dict | None) -> float:
+    """1/sqrt(qk_dim), times YaRN's mscale(factor, mscale_all_dim)^2 under YaRN (DeepSeek's long-context fix)."""
+    scale = qk_dim ** -0.5
+    if rope_scaling is not None and rope_scaling.get("mscale_all_dim"):
+        scale *= yarn_mscale(float(rope_scaling["factor"]), float(rope_scaling["mscale_all_dim"])) ** 2
+    return scale
 
 
 class MLAttention(nn.Module):
@@ -60,7 +68,7 @@ class MLAttention(nn.Module):
         self.q_lora = cfg.q_lora_rank is not None
         self.interleaved = cfg.rope_interleave
         self.rotary = rotary   # the model's table, rope dims wide (shared, not a child module)
-        self.latent = LatentAttention(self.kv_lora_rank, qk_dim ** -0.5)
+        self.latent = LatentAttention(self.kv_lora_rank, softmax_scale(qk_dim, cfg.rope_scaling))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
                 latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

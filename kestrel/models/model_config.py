@@ -87,8 +87,11 @@ def hf_model_config(model_dir: Path) -> ModelConfig:
         if scaling is not None:
             scaling = dict(scaling)
             kind = scaling.get("rope_type", scaling.get("type", "default"))
-            if kind not in ("default", "llama3"):
-                raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported (default, llama3)")
+            if kind not in ("default", "llama3", "yarn"):
+                raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported (default, llama3, yarn)")
+            if kind == "yarn" and "original_max_position_embeddings" not in scaling:
+                scaling["original_max_position_embeddings"] = int(raw.get("original_max_position_embeddings")
+                                                                  or raw.get("max_position_embeddings", 2048))
             if kind == "default":
                 scaling = None
         window = raw.get("sliding_window")
