@@ -191,6 +191,24 @@ def test_speculative_verify_steps_keep_hf_tokens(moe_checkpoint, name):
     assert llm.engine.spec.counters.num_draft_tokens > 0
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
+def test_multi_token_prediction_layer_past_the_decoder_is_skipped_at_load(moe_checkpoint, tmp_path, name):
+    """Released checkpoints carry layer num_hidden_layers (the MTP module): loading leaves it unread."""
+    import shutil
+
+    from safetensors.torch import save_file
+
+    path = tmp_path / name
+    shutil.copytree(moe_checkpoint(name), path)
+    layers = CONFIGS[name][1]["num_hidden_layers"]
+    save_file({f"model.layers.{layers}.eh_proj.weight": torch.zeros(4, 4),
+               f"model.layers.{layers}.mlp.experts.0.up_proj.weight": torch.zeros(4, 4)},
+              str(path / "mtp.safetensors"))
+    llm = LLM(model=str(path), device="cpu")
+    out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
+    assert out[0].outputs[0].token_ids == hf_greedy(hf_model(moe_checkpoint(name)), [out[0].prompt_token_ids], 4)[0]
+
+
 def test_moe_models_refuse_tensor_parallelism(moe_checkpoint):
     from kestrel.models.model_config import hf_model_config
     from kestrel.models.registry import model_class

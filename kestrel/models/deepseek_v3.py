@@ -11,8 +11,9 @@ lm_head).
          shared experts' MLP on every token
 
 YaRN rope scaling (DeepSeek-V3's released config) scales the rotary table (layers/rotary.py) and the softmax
-(`softmax_scale`). Not yet: the multi-token-prediction layer (num_nextn_predict_layers: its weights sit past num_hidden_layers and are not
-loaded), tensor parallelism (refused).
+(`softmax_scale`). Not yet: the multi-token-prediction layer (num_nextn_predict_layers: its weights sit past
+num_hidden_layers and are skipped at load; a drafter for speculative decoding later), tensor parallelism
+(refused), FP8 block-quantized checkpoints (the released weights; the FP8 work's linear methods).
 """
 from __future__ import annotations
 
@@ -31,7 +32,7 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding, yarn_mscale
 from kestrel.models.llama import MLP, LlamaForCausalLM
-from kestrel.models.llama_moe import MoEMLP, refuse_tensor_parallel
+from kestrel.models.llama_moe import MoEMLP, is_past_last_layer, refuse_tensor_parallel
 from kestrel.models.model_config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm and kv_a_layernorm use DeepSeek's default eps, not rms_norm_eps
@@ -122,6 +123,9 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
         # has no q/k/v projections ("q_proj" is its own layer when q_lora_rank is None)
         self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
                                "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+
+    def skips_weight(self, name: str) -> bool:
+        return is_past_last_layer(name, self.config.num_layers)
 
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:

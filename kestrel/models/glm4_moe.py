@@ -6,7 +6,7 @@ the first first_k_dense_replace layers dense).
 
 The fused attention prologue (CUDA) assumes a rotary table as wide as the head, so this model's attention is
 built without it; rotary runs through the table's own op on the rotated slice.
-Not loaded: the multi-token-prediction layer (num_nextn_predict_layers). Tensor parallelism is refused.
+The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load. Tensor parallelism is refused.
 """
 from __future__ import annotations
 
@@ -21,7 +21,7 @@ from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from kestrel.models.deepseek_v3 import grouped_route
 from kestrel.models.llama import DecoderLayer, LlamaForCausalLM
-from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, refuse_tensor_parallel
+from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, is_past_last_layer, refuse_tensor_parallel
 from kestrel.models.model_config import ModelConfig
 
 
@@ -38,6 +38,9 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
             return super().make_rotary(cfg, ops)
         return PartialRotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
                                       ops.apply_rotary)
+
+    def skips_weight(self, name: str) -> bool:
+        return is_past_last_layer(name, self.config.num_layers)
 
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:

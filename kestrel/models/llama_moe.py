@@ -15,6 +15,7 @@ Tensor parallelism is refused: experts are not sharded yet (expert or tensor par
 """
 from __future__ import annotations
 
+import re
 from functools import partial
 
 import torch
@@ -36,6 +37,13 @@ def refuse_tensor_parallel(cfg: ModelConfig, tp: TPGroup) -> None:
     if tp.size > 1:
         raise ModelLoadError(f"{cfg.architecture} cannot run with --tensor-parallel-size {tp.size} yet: its experts "
                              "(and DeepSeek's latent attention) are not sharded; use --tensor-parallel-size 1")
+
+
+def is_past_last_layer(name: str, num_layers: int) -> bool:
+    """model.layers.{i}.* with i >= num_layers: the multi-token-prediction layer(s) DeepSeek-V3 and GLM-4.5
+    checkpoints carry after the decoder (num_nextn_predict_layers), which this engine does not run."""
+    match = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= num_layers
 
 
 class MoEMLP(SparseMoE):
