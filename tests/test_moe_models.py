@@ -137,6 +137,20 @@ def test_greedy_tokens_match_hf_batched_and_alone_with_prefix_hits(moe_checkpoin
     assert llm.engine.stats().prefix_cache_hits > 0
 
 
+@pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
+def test_preemption_and_chunked_prefill_keep_hf_tokens(moe_checkpoint, name):
+    """16-token steps (prompts prefilled in chunks over the latent / paged cache) and 32 blocks of 4 for 4
+    sequences of up to ~110 tokens, so decodes run out of blocks and sequences are preempted and recomputed."""
+    path = moe_checkpoint(name)
+    llm = LLM(model=str(path), device="cpu", block_size=4, num_gpu_blocks_override=32, max_num_batched_tokens=16,
+              disable_prefix_cache=True)
+    results = llm.generate(PROMPTS, SamplingParams(max_tokens=MAX_TOKENS, temperature=0, ignore_eos=True))
+    assert llm.engine.scheduler.num_preemptions > 0
+    expected = hf_greedy(hf_model(path), [r.prompt_token_ids for r in results], MAX_TOKENS)
+    assert [r.outputs[0].token_ids for r in results] == expected
+    assert llm.engine.pool.num_free == llm.engine.pool.num_blocks
+
+
 @pytest.mark.parametrize("name", NAMES)
 def test_last_token_logits_close_to_hf(moe_checkpoint, name):
     path = moe_checkpoint(name)
