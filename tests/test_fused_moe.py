@@ -133,3 +133,21 @@ def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tm
         runner.allocate_kv_cache(8)
         logits.append(runner.forward(build_forward_batch(prompts, [0, 0], [[0, 1], [2]], 4)).logits)
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernel_is_chosen_on_cuda_only_when_asked():
+    from kestrel.envs import DevSwitches
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+    from kestrel.layers.ops import choose_layer_ops
+
+    class Backend:
+        name = "any"
+
+        def supports_prewritten_kv(self) -> bool:
+            return True
+
+    cuda = torch.device("cuda")
+    assert choose_layer_ops(torch.device("cpu"), Backend(), DevSwitches(fused_moe=True)).fused_moe \
+        is fused_experts_torch
+    assert choose_layer_ops(cuda, Backend(), DevSwitches()).fused_moe is fused_experts_torch
+    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).fused_moe is fused_experts_triton

@@ -12,7 +12,8 @@ no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, an
                                            and attention prologue folded in; cuBLAS above)
     attn_prologue   kestrel/kernels/triton/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
                                            backend that accepts K/V already in the cache
-    fused_moe       layers/moe.py's fused_experts_torch everywhere for now; the fused Triton MoE kernel plugs in here
+    fused_moe       layers/moe.py's fused_experts_torch; kestrel/kernels/triton/fused_moe.py on CUDA with
+                                           KESTREL_FUSED_MOE=1 (opt-in until checked on a GPU)
 """
 from __future__ import annotations
 
@@ -66,7 +67,11 @@ def choose_layer_ops(device: torch.device, backend: AttentionBackend, dev: DevSw
         prologue = qk_norm_rope_store
     else:
         logger.warning("fused attention prologue not used: the %s backend writes K/V itself", backend.name)
+    fused_moe: ExpertsImpl = fused_experts_torch
+    if dev.fused_moe:
+        from kestrel.kernels.triton.fused_moe import fused_experts_triton
+        fused_moe = fused_experts_triton
     return LayerOps(rms_norm=fused_ops.rms_norm, apply_rotary=fused_ops.apply_rotary,
                     silu_and_mul=fused_ops.silu_and_mul,
                     linear_method=skinny_method(dev.skinny_matmul, dev.cuda_gemv) or PLAIN,
-                    attn_prologue=prologue)
+                    attn_prologue=prologue, fused_moe=fused_moe)
