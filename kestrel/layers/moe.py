@@ -7,8 +7,10 @@ Expert weights are stacked, so one kernel (or one loop) serves every expert and 
                                                                    (Mixtral: experts.{e}.w1 / w3)
     w2.weight:  [E, H, I]     expert e's down projection           checkpoint: experts.{e}.down_proj (Mixtral: w2)
 
-Routing is each model's own and runs in float32 (the router weight is kept in float32 whatever the model's dtype,
-as HF keeps it), so the experts chosen do not flip with the activation dtype:
+Routing is each model's own and runs in float32: the router weight is kept in float32 whatever the model's dtype
+(checkpoints store it in bf16 or fp32, both exact in float32) and its logits are computed in float32, as HF's
+DeepSeek-V3 / GLM-4-MoE code does (HF's Qwen3-MoE / Mixtral compute them in the model dtype; float32 is the more
+precise of the two), so the experts chosen do not flip with the activation dtype:
 
     softmax_topk          Qwen3-MoE, Mixtral: softmax over all experts, the k largest, optionally renormalised
                           (Mixtral's "top-k, then softmax over those k" is the renormalised form)
