@@ -234,3 +234,19 @@ def test_moe_models_refuse_tensor_parallelism(moe_checkpoint):
 
     with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
         model_class(cfg)(cfg, tp=TwoRanks())
+
+
+def test_config_reads_which_layers_are_dense_and_the_latent_cache_layout(moe_checkpoint):
+    from kestrel.forward.runner import kv_bytes_per_block, kv_layout
+    from kestrel.models.model_config import hf_model_config
+
+    assert hf_model_config(moe_checkpoint("qwen3_moe")).dense_layers == (1,)          # mlp_only_layers
+    assert hf_model_config(moe_checkpoint("qwen3_moe_raw")).dense_layers == (0, 2)    # decoder_sparse_step 2
+    assert hf_model_config(moe_checkpoint("mixtral")).dense_layers == ()
+    cfg = hf_model_config(moe_checkpoint("deepseek_v3"))
+    assert cfg.dense_layers == (0,) and cfg.head_dim == 16                            # the rope part
+    # one latent plane of one head, kv_lora_rank + rope wide, instead of K and V of every head
+    assert kv_layout(cfg) == (1, 1, 64 + 16)
+    assert kv_bytes_per_block(cfg, 16, torch.float32) == 3 * 16 * 80 * 4
+    llm = LLM(model=str(moe_checkpoint("deepseek_v3")), device="cpu", block_size=4, num_gpu_blocks_override=10)
+    assert tuple(llm.engine.runner.kv_cache.shape) == (3, 1, 10, 4, 1, 80)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import re
 from functools import partial
+from typing import Callable
 
 import torch
 from torch import nn
@@ -49,7 +50,8 @@ def is_past_last_layer(name: str, num_layers: int) -> bool:
 class MoEMLP(SparseMoE):
     """The MLP slot of a sparse layer: (moe(norm(hidden + residual)) [+ shared experts], hidden + residual)."""
 
-    def __init__(self, cfg: ModelConfig, ops: LayerOps, route, correction_bias: bool = False) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, route: Callable[[torch.Tensor, Router], Routing],
+                 correction_bias: bool = False) -> None:
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, route, ops.fused_moe,
                          ops.silu_and_mul, correction_bias)
         # DeepSeek: an always-on MLP beside the routed experts, as wide as n_shared experts together

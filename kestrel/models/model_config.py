@@ -1,7 +1,8 @@
 """ModelConfig: the fields of a HF config.json that the supported models need, read once and frozen.
 
-The Llama family's fields first; mixture-of-experts (Qwen3-MoE, Mixtral, DeepSeek-V3) and multi-head latent
-attention (DeepSeek-V3) add theirs with defaults that mean "not this model" (0 experts, kv_lora_rank 0)."""
+The Llama family's fields first; partial rotary (GLM-4-MoE), mixture of experts (Qwen3-MoE, Mixtral, DeepSeek-V3,
+GLM-4-MoE) and multi-head latent attention (DeepSeek-V3) add theirs with defaults that mean "not this model"
+(rotary_dim 0, 0 experts, kv_lora_rank 0)."""
 from __future__ import annotations
 
 import json
