@@ -88,7 +88,7 @@ class MLAttention(nn.Module):
         else:
             q_pe, k_pe = self.rotary.forward(batch.positions, q_pe, k_pe)
         write_latent(torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), latent_cache, batch.slot_mapping)
-        # The absorbed weights are kv_b_proj's rows read as per-head matrices, not a call of the layer (a
+        # W_UK and W_UV are kv_b_proj's rows read as per-head matrices, not a call of the layer (a
         # quantized method would hand them over dequantized here).
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         out = self.latent.forward(q_nope, q_pe, w_kv[:, :self.nope], w_kv[:, self.nope:], latent_cache, batch)
