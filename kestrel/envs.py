@@ -11,6 +11,8 @@ tests that change one call `switches.cache_clear()`.
     KESTREL_PDL=1                programmatic dependent launch between decode kernels on Hopper
     KESTREL_CLUSTER_DECODE=1     the thread-block-cluster decode attention kernel for small bf16 batches on Hopper
     KESTREL_CLUSTER_DECODE_MMA=auto   its tensor-core build: auto (groups of 4 and more), 0, 1
+    KESTREL_FUSED_MOE=0          1: the fused Triton MoE kernel on CUDA (kernels/triton/fused_moe.py); off until it has
+                                 been checked and timed on a GPU (tested under the interpreter only)
     CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
 """
 from __future__ import annotations
@@ -44,6 +46,7 @@ class DevSwitches:
     pdl: bool = True
     cluster_decode: bool = True
     cluster_decode_mma: str = "auto"
+    fused_moe: bool = False
     cuda_home: str = "/usr/local/cuda"
 
 
@@ -56,6 +59,7 @@ def switches() -> DevSwitches:
         pdl=_flag("KESTREL_PDL", True),
         cluster_decode=_flag("KESTREL_CLUSTER_DECODE", True),
         cluster_decode_mma=_choice("KESTREL_CLUSTER_DECODE_MMA", "auto", ("auto", "0", "1")),
+        fused_moe=_flag("KESTREL_FUSED_MOE", False),
         cuda_home=os.environ.get("CUDA_HOME", "/usr/local/cuda"),
     )
 

@@ -44,6 +44,8 @@ class Ranks:
         n = config.tensor_parallel_size
         cfg = load_model_config(config.model_path)
         why = check_tp_shape(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, n)
+        if cfg.num_experts or cfg.kv_lora_rank:   # before any worker starts (the model refuses it too)
+            why = f"{cfg.architecture}'s experts and latent attention are not sharded yet"
         if why is not None:
             raise KestrelError(f"--tensor-parallel-size {n}: the model cannot be split, {why}")
         rdv = rendezvous_of(config)

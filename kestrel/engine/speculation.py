@@ -323,8 +323,8 @@ class SpeculativeDecoding:
                         into.append(chunk.block_ids[index // block_size] * block_size + index % block_size)
         if not src:
             return
-        kv = self.engine.runner.kv_cache   # [layers, 2, num_blocks, block_size, kv_heads, head_dim]
-        flat = kv.view(kv.shape[0], 2, -1, *kv.shape[4:])
+        kv = self.engine.runner.kv_cache   # [layers, planes, num_blocks, block_size, kv_heads, head_dim]
+        flat = kv.view(kv.shape[0], kv.shape[1], -1, *kv.shape[4:])   # K, V planes (MLA: one latent)
         device = kv.device
         flat[:, :, torch.tensor(dst, device=device)] = flat[:, :, torch.tensor(src, device=device)]
 

@@ -143,7 +143,13 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype, tp.size) / 1e9)
 
     drafter_graphs = None
-    if device.type == "cuda" and not config.disable_cuda_graph:
+    # MLA attends through the torch reference (attention/mla.py), whose prefill reads lengths on the host: no
+    # graphs for it until its kernel exists
+    graphs = device.type == "cuda" and not config.disable_cuda_graph
+    if graphs and cfg.kv_lora_rank:
+        logger.warning("%s: CUDA graphs off (latent attention runs as torch code for now)", cfg.architecture)
+        graphs = False
+    if graphs:
         from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, config, max_model_len, progress)
         if tp.min_int(runner.graphs is not None) == 0:   # a rank fell back to eager decode: every rank does

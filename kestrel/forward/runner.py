@@ -13,6 +13,11 @@ rank; layers/linear.py says which with several):
 
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
     layer l:  k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]
+
+Multi-head latent attention (DeepSeek-V3) caches one latent vector a token instead (attention/mla.py draws it):
+
+    kv_cache: [num_layers, 1, num_blocks, block_size, 1, kv_lora_rank + qk_rope_head_dim]
+    layer l:  (latent_cache,) = (kv_cache[l, 0],)
 """
 from __future__ import annotations
 
@@ -30,10 +35,18 @@ from kestrel.models.model_config import ModelConfig
 logger = logging.getLogger("kestrel.runner")
 
 
+def kv_layout(cfg: ModelConfig, tp_size: int = 1) -> tuple[int, int, int]:
+    """(planes, heads, width) of one token's cache entry in one layer on one rank: K and V planes of the rank's KV
+    heads, or MLA's single latent plane of one shared head."""
+    if cfg.kv_lora_rank:
+        return 1, 1, cfg.kv_lora_rank + cfg.qk_rope_head_dim
+    return 2, kv_heads_per_rank(cfg.num_kv_heads, tp_size), cfg.head_dim
+
+
 def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp_size: int = 1) -> int:
     """Bytes of one block on one rank."""
-    heads = kv_heads_per_rank(cfg.num_kv_heads, tp_size)
-    return 2 * cfg.num_layers * block_size * heads * cfg.head_dim * torch.finfo(dtype).bits // 8
+    planes, heads, width = kv_layout(cfg, tp_size)
+    return planes * cfg.num_layers * block_size * heads * width * torch.finfo(dtype).bits // 8
 
 
 class ModelRunner:
@@ -48,7 +61,7 @@ class ModelRunner:
         self.dtype = dtype
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
-        self.kv_caches: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.kv_caches: list[tuple[torch.Tensor, ...]] = []   # (k, v) a layer, or (latent,) with MLA
         # layers whose input hidden states every step returns (EAGLE-3's drafter reads three); set before the
         # graphs are captured, since a graph's outputs are fixed at capture
         self.capture_hidden_layers = capture_hidden_layers
@@ -59,10 +72,10 @@ class ModelRunner:
     def allocate_kv_cache(self, num_blocks: int) -> None:
         cfg = self.cfg
         # Zeroed: padded rows and masked positions read slots nobody wrote, and they must hold finite numbers.
-        self.kv_cache = torch.zeros(cfg.num_layers, 2, num_blocks, self.block_size,
-                                    kv_heads_per_rank(cfg.num_kv_heads, self.tp.size), cfg.head_dim,
+        planes, heads, width = kv_layout(cfg, self.tp.size)
+        self.kv_cache = torch.zeros(cfg.num_layers, planes, num_blocks, self.block_size, heads, width,
                                     dtype=self.dtype, device=self.device)
-        self.kv_caches = [(self.kv_cache[i, 0], self.kv_cache[i, 1]) for i in range(cfg.num_layers)]
+        self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(cfg.num_layers)]
 
     def free_kv_cache(self) -> None:
         self.kv_cache = None

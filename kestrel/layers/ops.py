@@ -12,6 +12,8 @@ no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, an
                                            and attention prologue folded in; cuBLAS above)
     attn_prologue   kestrel/kernels/triton/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
                                            backend that accepts K/V already in the cache
+    fused_moe       layers/moe.py's fused_experts_torch; kestrel/kernels/triton/fused_moe.py on CUDA with
+                                           KESTREL_FUSED_MOE=1 (opt-in until checked on a GPU)
 """
 from __future__ import annotations
 
@@ -24,6 +26,7 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.envs import DevSwitches, switches
 from kestrel.layers.linear import PLAIN, LinearMethod, silu_and_mul_torch
+from kestrel.layers.moe import ExpertsImpl, fused_experts_torch
 from kestrel.layers.norm import rms_norm_torch
 from kestrel.layers.rotary import apply_rotary_torch
 
@@ -39,6 +42,8 @@ class LayerOps:
     # (qkv, q_norm_w, k_norm_w, eps, positions, cos_sin_cache, k_cache, v_cache, slot_mapping, heads, kv_heads,
     # head_dim) -> rotated q, k and v written to the caches; None: the backend writes K/V itself
     attn_prologue: Callable[..., torch.Tensor] | None = None
+    # (x, w13, w2, topk_ids, topk_weights, silu_and_mul) -> the experts' weighted sum (layers/moe.py)
+    fused_moe: ExpertsImpl = fused_experts_torch
 
 
 TORCH_OPS = LayerOps(rms_norm=rms_norm_torch, apply_rotary=apply_rotary_torch, silu_and_mul=silu_and_mul_torch)
@@ -62,7 +67,11 @@ def choose_layer_ops(device: torch.device, backend: AttentionBackend, dev: DevSw
         prologue = qk_norm_rope_store
     else:
         logger.warning("fused attention prologue not used: the %s backend writes K/V itself", backend.name)
+    fused_moe: ExpertsImpl = fused_experts_torch
+    if dev.fused_moe:
+        from kestrel.kernels.triton.fused_moe import fused_experts_triton
+        fused_moe = fused_experts_triton
     return LayerOps(rms_norm=fused_ops.rms_norm, apply_rotary=fused_ops.apply_rotary,
                     silu_and_mul=fused_ops.silu_and_mul,
                     linear_method=skinny_method(dev.skinny_matmul, dev.cuda_gemv) or PLAIN,
-                    attn_prologue=prologue)
+                    attn_prologue=prologue, fused_moe=fused_moe)

@@ -85,12 +85,13 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup = SINGLE,
+                 intermediate_size: int | None = None) -> None:
         super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2, tp=tp,
+        width = intermediate_size or cfg.intermediate_size   # DeepSeek's shared experts are narrower
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [width] * 2, tp=tp,
                                                        method=ops.linear_method)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, tp=tp,
-                                           method=ops.linear_method)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, tp=tp, method=ops.linear_method)
         self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
@@ -132,18 +133,26 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.tp = tp
-        rotary = RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
-                                 ops.apply_rotary)
-        self.rotary = rotary
+        self.rotary = rotary = self.make_rotary(cfg, ops)
         self.embed_tokens = VocabEmbedding(cfg.vocab_size, cfg.hidden_size, tp)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, rotary, ops, tp) for _ in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.make_layer(i, cfg, rotary, ops, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.lm_head = LMHead(cfg.vocab_size, cfg.hidden_size, tp)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
+    def make_rotary(self, cfg: ModelConfig, ops: LayerOps) -> RotaryEmbedding:
+        """The rotary table every layer shares (GLM-4-MoE rotates part of each head: glm4_moe.py)."""
+        return RotaryEmbedding(cfg.head_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                               ops.apply_rotary)
+
+    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
+                   tp: TPGroup) -> nn.Module:
+        """Layer `index`; the MoE and MLA models (llama_moe.py, deepseek_v3.py, glm4_moe.py) build theirs here."""
+        return DecoderLayer(cfg, rotary, ops, tp)
+
     def forward(self, batch: ForwardBatch, backend: AttentionBackend,
-                kv_caches: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+                kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """Returns the final-norm hidden states at batch.logits_at (all of them for None) and the requested layer
         inputs."""
         hidden = self.embed_tokens(batch.input_ids) if batch.input_embeds is None else batch.input_embeds

@@ -30,10 +30,13 @@ class WeightPlacer:
         self.params = dict(model.named_parameters(remove_duplicate=False))
         self.packed = getattr(model, "packed_modules", {})
         self.tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+        # a model's own tensors to leave unread (DeepSeek-V3's multi-token-prediction layer): name -> bool
+        self.model_skips = getattr(model, "skips_weight", None)
         self.loaded: set[str] = set()
 
     def skips(self, name: str) -> bool:
-        return name.endswith(IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight")
+        return name.endswith(IGNORED_SUFFIXES) or (self.tied and name == "lm_head.weight") or \
+            (self.model_skips is not None and self.model_skips(name))
 
     def place(self, name: str, tensor: torch.Tensor, source: str) -> None:
         target, shard_id = _target(name, self.packed)

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 import torch
 
 from kestrel.forward.batch import build_forward_batch
+from kestrel.forward.runner import kv_layout
 from kestrel.llm import LLM
 from kestrel.sampling_params import SamplingParams
 from kestrel.train.data import Prompt, Sample
@@ -116,13 +117,13 @@ class Target:
         cfg, bs = self.config, runner.block_size
         ids = list(sample.token_ids)
         blocks = -(-len(ids) // bs)
-        kv = torch.zeros(cfg.num_layers, 2, blocks, bs, cfg.num_kv_heads, cfg.head_dim, dtype=runner.dtype,
-                         device=runner.device)
+        planes, heads, width = kv_layout(cfg)
+        kv = torch.zeros(cfg.num_layers, planes, blocks, bs, heads, width, dtype=runner.dtype, device=runner.device)
         batch = build_forward_batch([ids], [0], [list(range(blocks))], bs,
                                     capture_hidden_layers=tuple(aux_layer_ids)).to(runner.device)
         batch.logits_at = None   # every position
         runner.backend.prepare(batch)
-        final, captured = runner.model(batch, runner.backend, [(kv[i, 0], kv[i, 1]) for i in range(cfg.num_layers)])
+        final, captured = runner.model(batch, runner.backend, [tuple(kv[i].unbind(0)) for i in range(cfg.num_layers)])
         best = runner.model.compute_logits(final, to_float=False).argmax(dim=-1)
         aux = torch.cat([captured[j] for j in aux_layer_ids], dim=-1)
         loss_mask = torch.zeros(len(ids), dtype=torch.bool)

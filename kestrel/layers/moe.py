@@ -1,0 +1,193 @@
+"""Mixture-of-experts block: a router picks k experts for each token, each expert's SiLU MLP runs on the tokens
+sent to it, and a token's output is the router-weighted sum of its k experts' outputs.
+
+Expert weights are stacked, so one kernel (or one loop) serves every expert and the router's choice is an index:
+
+    w13.weight: [E, 2 I, H]   expert e's rows: gate (I) | up (I)   checkpoint: experts.{e}.gate_proj / up_proj
+                                                                   (Mixtral: experts.{e}.w1 / w3)
+    w2.weight:  [E, H, I]     expert e's down projection           checkpoint: experts.{e}.down_proj (Mixtral: w2)
+
+Routing is each model's own and runs in float32: the router weight is kept in float32 whatever the model's dtype
+(checkpoints store it in bf16 or fp32, both exact in float32) and its logits are computed in float32, as HF's
+DeepSeek-V3 / GLM-4-MoE code does (HF's Qwen3-MoE / Mixtral compute them in the model dtype; float32 is the more
+precise of the two), so the experts chosen do not flip with the activation dtype:
+
+    softmax_topk          Qwen3-MoE, Mixtral: softmax over all experts, the k largest, optionally renormalised
+                          (Mixtral's "top-k, then softmax over those k" is the renormalised form)
+    grouped_sigmoid_topk  DeepSeek-V3: sigmoid scores; the correction bias steers which experts are chosen but
+                          never their weights; groups first, then experts inside the chosen groups
+
+The expert computation is a function chosen when the model is built (LayerOps.fused_moe): `fused_experts_torch`
+below is the CPU road and the oracle; a fused Triton MoE kernel plugs in there on CUDA with the same arguments.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kestrel.layers.linear import _copy_checked, silu_and_mul_torch
+
+# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H]
+ExpertsImpl = Callable[..., torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class Routing:
+    """Which k experts each token goes to and with what weight."""
+    topk_ids: torch.Tensor       # [T, k] int64 expert ids
+    topk_weights: torch.Tensor   # [T, k] float32
+
+
+def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """Qwen3-MoE / Mixtral: softmax over all experts, keep the k largest (renormalised to sum 1 if asked)."""
+    probs = torch.softmax(logits.float(), dim=-1)
+    weights, ids = torch.topk(probs, k, dim=-1)
+    if renormalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return Routing(ids, weights)
+
+
+def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction_bias: torch.Tensor, n_group: int,
+                         topk_group: int, renormalize: bool, scaling: float) -> Routing:
+    """DeepSeek-V3's router. Experts are n_group consecutive groups; a group's score is the sum of its two best
+    biased scores; each token keeps its topk_group best groups and picks its k best biased scores among their
+    experts. The weights are the chosen experts' *unbiased* sigmoid scores (the bias balances load, it never
+    weighs an output), renormalised if asked, times routed_scaling_factor."""
+    scores = logits.float().sigmoid()                                   # [T, E]
+    biased = scores + correction_bias.float()
+    tokens, experts = biased.shape
+    grouped = biased.view(tokens, n_group, experts // n_group)
+    group_scores = grouped.topk(min(2, experts // n_group), dim=-1).values.sum(dim=-1)   # [T, n_group]
+    chosen_groups = group_scores.topk(topk_group, dim=-1, sorted=False).indices
+    group_mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, chosen_groups, True)
+    expert_mask = group_mask[:, :, None].expand_as(grouped).reshape(tokens, experts)
+    ids = biased.masked_fill(~expert_mask, float("-inf")).topk(k, dim=-1, sorted=False).indices
+    weights = scores.gather(1, ids)
+    if renormalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return Routing(ids, weights * scaling)
+
+
+def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                        topk_weights: torch.Tensor,
+                        silu_and_mul: Callable[[torch.Tensor], torch.Tensor] = silu_and_mul_torch) -> torch.Tensor:
+    """The reference expert computation: each expert that received tokens runs once on exactly those tokens.
+
+    The (token, slot) pairs are sorted by expert, so expert e's rows are one contiguous run of `order`:
+
+        topk_ids  [T, k] ──flatten──► [T k] ──argsort──► order: rows of expert 0 | rows of expert 1 | ...
+        row r of the flattened ids is token r // k's slot r % k
+
+    Outputs are summed in float32 and in expert order, then cast back. Reads the per-expert counts on the host,
+    which a CUDA graph cannot: while one is being captured every expert runs on every token instead (weight 0
+    where not chosen), correct and E / k times the work, until the fused kernel takes this op's place on CUDA."""
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return _experts_dense(x, w13, w2, topk_ids, topk_weights, silu_and_mul)
+    num_tokens, k = topk_ids.shape
+    flat_ids = topk_ids.reshape(-1)
+    order = torch.argsort(flat_ids, stable=True)
+    counts = torch.bincount(flat_ids, minlength=w13.shape[0]).tolist()
+    flat_weights = topk_weights.reshape(-1).float()
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = order[start:start + count]
+        start += count
+        tokens = rows // k
+        hidden = silu_and_mul(F.linear(x[tokens], w13[expert]))
+        y = F.linear(hidden, w2[expert])
+        out.index_add_(0, tokens, y.float() * flat_weights[rows, None])
+    return out.to(x.dtype)
+
+
+def _experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                   topk_weights: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """fused_experts_torch without host reads: each expert on all tokens, weighted by the router (0: not chosen)."""
+    out = torch.zeros(x.shape[0], w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        weight = (topk_weights.float() * (topk_ids == expert)).sum(dim=-1)     # [T]
+        y = F.linear(silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        out += y.float() * weight[:, None]
+    return out.to(x.dtype)
+
+
+class StackedWeight(nn.Module):
+    """One [E, rows, cols] weight filled one expert (and one part of an expert's rows) at a time; a checkpoint
+    tensor arrives with shard id (expert, part): rows [part * rows / parts, (part + 1) * rows / parts)."""
+
+    def __init__(self, num_experts: int, rows: int, cols: int, parts: int) -> None:
+        super().__init__()
+        self.parts = parts
+        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
+                      shard_id: tuple[int, int] = (0, 0)) -> None:
+        expert, part = shard_id
+        size = param.shape[1] // self.parts
+        _copy_checked(param.data[expert].narrow(0, part * size, size), loaded, name)
+
+
+def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> dict[str, tuple[str, tuple[int, int]]]:
+    """The loader's `packed_modules` entries that put checkpoint experts.{e}.{gate,up,down} into the stacked
+    weights (gate -> w13 part 0, up -> w13 part 1, down -> w2)."""
+    names: dict[str, tuple[str, tuple[int, int]]] = {}
+    for e in range(num_experts):
+        names[f"experts.{e}.{gate}"] = ("experts.w13", (e, 0))
+        names[f"experts.{e}.{up}"] = ("experts.w13", (e, 1))
+        names[f"experts.{e}.{down}"] = ("experts.w2", (e, 0))
+    return names
+
+
+class FusedExperts(nn.Module):
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: ExpertsImpl,
+                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+        super().__init__()
+        self.w13 = StackedWeight(num_experts, 2 * intermediate_size, hidden_size, parts=2)
+        self.w2 = StackedWeight(num_experts, hidden_size, intermediate_size, parts=1)
+        self.impl = impl
+        self.silu_and_mul = silu_and_mul
+
+    def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        return self.impl(x, self.w13.weight, self.w2.weight, routing.topk_ids, routing.topk_weights,
+                         self.silu_and_mul)
+
+
+class Router(nn.Module):
+    """The gate: logits = x @ weight.T in float32. With a correction bias (DeepSeek-V3) it is loaded too."""
+
+    def __init__(self, num_experts: int, hidden_size: int, correction_bias: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size, dtype=torch.float32), requires_grad=False)
+        self.weight.weight_loader = lambda p, t, name="?": _copy_checked(p, t, name)
+        if correction_bias:
+            self.e_score_correction_bias = nn.Parameter(torch.zeros(num_experts, dtype=torch.float32),
+                                                        requires_grad=False)
+            self.e_score_correction_bias.weight_loader = lambda p, t, name="?": _copy_checked(p, t, name)
+        else:
+            self.e_score_correction_bias = None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.linear(x.float(), self.weight)
+
+
+class SparseMoE(nn.Module):
+    """Router + stacked experts on already-normalised hidden states [T, H] -> [T, H]. `route` turns the router's
+    float32 logits into a Routing (softmax_topk or grouped_sigmoid_topk with the model's settings bound)."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
+                 route: Callable[[torch.Tensor, Router], Routing], impl: ExpertsImpl,
+                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor], correction_bias: bool = False) -> None:
+        super().__init__()
+        self.gate = Router(num_experts, hidden_size, correction_bias)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, impl, silu_and_mul)
+        self.route = route
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.experts(x, self.route(self.gate(x), self.gate))

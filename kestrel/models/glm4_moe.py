@@ -1,0 +1,52 @@
+"""GLM-4-MoE (GLM-4.5): the Llama family's attention with q/k/v bias, optional q/k norm and rotary on part of each
+head (partial_rotary_factor), and DeepSeek-V3's MoE (grouped sigmoid routing, correction bias, shared experts,
+the first first_k_dense_replace layers dense).
+
+    attention head: [ rotated (rotary_dim) | unrotated ]      layers/rotary.py: PartialRotaryEmbedding
+
+The fused attention prologue (CUDA) assumes a rotary table as wide as the head, so this model's attention is
+built without it; rotary runs through the table's own op on the rotated slice.
+The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load. Tensor parallelism is refused.
+"""
+from __future__ import annotations
+
+from dataclasses import replace
+from functools import partial
+
+from torch import nn
+
+from kestrel.distributed.comm import SINGLE, TPGroup
+from kestrel.layers.moe import expert_weight_names
+from kestrel.layers.ops import TORCH_OPS, LayerOps
+from kestrel.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
+from kestrel.models.deepseek_v3 import grouped_route
+from kestrel.models.llama import DecoderLayer, LlamaForCausalLM
+from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, is_past_last_layer, refuse_tensor_parallel
+from kestrel.models.model_config import ModelConfig
+
+
+class Glm4MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
+        refuse_tensor_parallel(cfg, tp)
+        super().__init__(cfg, ops, tp)
+        # experts first: the loader takes the first fragment a name contains, and "gate_proj" is in both
+        self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
+                               **LlamaForCausalLM.packed_modules}
+
+    def make_rotary(self, cfg: ModelConfig, ops: LayerOps) -> RotaryEmbedding:
+        if not cfg.rotary_dim:
+            return super().make_rotary(cfg, ops)
+        return PartialRotaryEmbedding(cfg.rotary_dim, cfg.max_position_embeddings, cfg.rope_theta, cfg.rope_scaling,
+                                      ops.apply_rotary)
+
+    def skips_weight(self, name: str) -> bool:
+        return is_past_last_layer(name, self.config.num_layers)
+
+    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
+                   tp: TPGroup) -> nn.Module:
+        if cfg.rotary_dim:
+            ops = replace(ops, attn_prologue=None)   # the prologue's rotary is full-width
+        if index in cfg.dense_layers:
+            return DecoderLayer(cfg, rotary, ops, tp)
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(grouped_route, cfg),
+                                                        correction_bias=True))

@@ -1,0 +1,119 @@
+"""Llama-family models whose MLPs are mixtures of experts: Qwen3-MoE and Mixtral.
+
+Attention is the Llama family's (models/llama.py: Qwen3-MoE has Qwen3's q/k norm, Mixtral is Mistral's); the MLP
+slot of a layer holds a SparseMoE (layers/moe.py) with the model's routing:
+
+    Qwen3-MoE  softmax top-k, renormalised if norm_topk_prob; layers in mlp_only_layers, or off the
+               decoder_sparse_step grid, keep a dense MLP (ModelConfig.dense_layers)
+    Mixtral    top-2 of the logits, softmax over those two (= softmax top-2, renormalised); every layer sparse
+
+Checkpoint names: Qwen3-MoE mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj.weight; Mixtral
+block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (gate, up, down); the experts go
+into the stacked weights through `packed_modules` (layers/moe.py draws them).
+
+Tensor parallelism is refused: experts are not sharded yet (expert or tensor parallelism of the stacked weights).
+"""
+from __future__ import annotations
+
+import re
+from functools import partial
+from typing import Callable
+
+import torch
+from torch import nn
+
+from kestrel.attention.base import AttentionBackend
+from kestrel.distributed.comm import SINGLE, TPGroup
+from kestrel.errors import ModelLoadError
+from kestrel.forward.batch import ForwardBatch
+from kestrel.layers.moe import Router, Routing, SparseMoE, expert_weight_names, softmax_topk
+from kestrel.layers.norm import RMSNorm
+from kestrel.layers.ops import TORCH_OPS, LayerOps
+from kestrel.layers.rotary import RotaryEmbedding
+from kestrel.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from kestrel.models.model_config import ModelConfig
+
+
+def refuse_tensor_parallel(cfg: ModelConfig, tp: TPGroup) -> None:
+    if tp.size > 1:
+        raise ModelLoadError(f"{cfg.architecture} cannot run with --tensor-parallel-size {tp.size} yet: its experts "
+                             "(and DeepSeek's latent attention) are not sharded; use --tensor-parallel-size 1")
+
+
+def is_past_last_layer(name: str, num_layers: int) -> bool:
+    """model.layers.{i}.* with i >= num_layers: the multi-token-prediction layer(s) DeepSeek-V3 and GLM-4.5
+    checkpoints carry after the decoder (num_nextn_predict_layers), which this engine does not run."""
+    match = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
+    return match is not None and int(match.group(1)) >= num_layers
+
+
+class MoEMLP(SparseMoE):
+    """The MLP slot of a sparse layer: (moe(norm(hidden + residual)) [+ shared experts], hidden + residual)."""
+
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, route: Callable[[torch.Tensor, Router], Routing],
+                 correction_bias: bool = False) -> None:
+        super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, route, ops.fused_moe,
+                         ops.silu_and_mul, correction_bias)
+        # DeepSeek: an always-on MLP beside the routed experts, as wide as n_shared experts together
+        self.shared_experts = MLP(cfg, ops, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts) \
+            if cfg.n_shared_experts else None
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = norm(hidden, residual)
+        out = super().forward(x)
+        if self.shared_experts is not None:
+            shared = self.shared_experts
+            out = out + shared.down_proj(shared.silu_and_mul(shared.gate_up_proj(x)))
+        return out, residual
+
+
+class MoeDecoderLayer(nn.Module):
+    """A Llama decoder layer whose MLP slot (named as the checkpoint names it) holds `mlp`."""
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module,
+                 mlp_name: str = "mlp") -> None:
+        super().__init__()
+        self.self_attn = Attention(cfg, rotary, ops)
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
+
+    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
+                backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, backend, k_cache, v_cache)
+        return getattr(self, self.mlp_name)(hidden, residual, self.post_attention_layernorm)
+
+
+def _softmax_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routing:
+    return softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
+class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
+        refuse_tensor_parallel(cfg, tp)
+        super().__init__(cfg, ops, tp)
+        # experts first: the loader takes the first fragment a name contains, and "gate_proj" is in both
+        self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
+                               **LlamaForCausalLM.packed_modules}
+
+    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
+                   tp: TPGroup) -> nn.Module:
+        if index in cfg.dense_layers:
+            return DecoderLayer(cfg, rotary, ops, tp)
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg)))
+
+
+class MixtralForCausalLM(LlamaForCausalLM):
+    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
+        refuse_tensor_parallel(cfg, tp)
+        super().__init__(cfg, ops, tp)
+        self.packed_modules = {**expert_weight_names(cfg.num_experts, "w1", "w3", "w2"),
+                               **LlamaForCausalLM.packed_modules}
+
+    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
+                   tp: TPGroup) -> nn.Module:
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg)),
+                               mlp_name="block_sparse_moe")

@@ -1,0 +1,153 @@
+"""The fused MoE Triton kernel equals the torch reference (layers/moe.py) on fresh random inputs, run on the CPU by
+Triton's interpreter in a child pytest (tests/triton_interpreter.py says why): random routing, experts that
+receive no tokens, every token sent to the same experts, one token; plus the row alignment's invariants, and the
+routing functions against HF's formulas written out."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.layers.moe import fused_experts_torch, grouped_sigmoid_topk, softmax_topk
+from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
+from tests.triton_interpreter import interpreted_only as interpreted_only_marker
+
+interpreted_only = interpreted_only_marker("test_fused_moe_under_triton_interpreter")
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
+def test_fused_moe_under_triton_interpreter():
+    run_file_under_interpreter(__file__)
+
+
+def random_problem(tokens: int, experts: int, topk: int, hidden: int, inter: int, dtype: torch.dtype,
+                   gen: torch.Generator, pick: list[int] | None = None):
+    """pick: the experts routing may choose from (others receive no tokens)."""
+    x = torch.randn(tokens, hidden, generator=gen).to(dtype)
+    w13 = (0.2 * torch.randn(experts, 2 * inter, hidden, generator=gen)).to(dtype)
+    w2 = (0.2 * torch.randn(experts, hidden, inter, generator=gen)).to(dtype)
+    allowed = torch.tensor(pick if pick is not None else list(range(experts)))
+    ids = torch.stack([allowed[torch.randperm(len(allowed), generator=gen)[:topk]] for _ in range(tokens)])
+    weights = torch.rand(tokens, topk, generator=gen)
+    return x, w13, w2, ids, weights
+
+
+CASES = [  # (tokens, experts, topk, hidden, inter, pick, dtype)
+    (37, 8, 2, 64, 32, None, torch.float32),            # random routing, odd token count
+    (1, 8, 2, 64, 32, None, torch.float32),             # one decode token
+    (20, 8, 2, 48, 40, [1, 6], torch.float32),          # all tokens on experts 1 and 6; the rest get none
+    (24, 6, 1, 64, 32, [3], torch.float32),             # every token picks expert 3
+    (33, 16, 4, 64, 48, [0, 2, 5, 9, 15], torch.float32),   # most experts idle, shapes off the block sizes
+    (17, 8, 2, 64, 32, None, torch.bfloat16),
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("case", CASES)
+def test_fused_moe_kernel_equals_torch_reference(case):
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+
+    tokens, experts, topk, hidden, inter, pick, dtype = case
+    gen = torch.Generator().manual_seed(tokens * 31 + experts)
+    x, w13, w2, ids, weights = random_problem(tokens, experts, topk, hidden, inter, dtype, gen, pick)
+    ours = fused_experts_triton(x, w13, w2, ids, weights)
+    ref = fused_experts_torch(x, w13, w2, ids, weights)
+    tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
+    torch.testing.assert_close(ours, ref, **tol)
+
+
+@pytest.mark.parametrize("tokens,experts,topk", [(37, 8, 2), (1, 4, 1), (64, 16, 6)])
+def test_alignment_puts_each_row_once_in_tiles_of_one_expert(tokens, experts, topk):
+    from kestrel.kernels.triton.fused_moe import BLOCK_M, align_by_expert
+
+    gen = torch.Generator().manual_seed(tokens)
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
+    sorted_rows, tile_expert = align_by_expert(ids, experts)
+    num_rows = tokens * topk
+    real = sorted_rows[sorted_rows < num_rows]
+    assert sorted(real.tolist()) == list(range(num_rows))
+    flat = ids.reshape(-1)
+    for tile, expert in enumerate(tile_expert.tolist()):
+        rows = sorted_rows[tile * BLOCK_M:(tile + 1) * BLOCK_M]
+        rows = rows[rows < num_rows]
+        if expert < 0:
+            assert rows.numel() == 0
+        else:
+            assert rows.numel() > 0 and bool((flat[rows.long()] == expert).all())
+
+
+def test_capture_safe_dense_experts_equal_the_sparse_loop():
+    """The road taken while a CUDA graph is captured (no host reads) computes the same sums."""
+    from kestrel.layers.moe import _experts_dense
+    from kestrel.layers.linear import silu_and_mul_torch
+
+    gen = torch.Generator().manual_seed(7)
+    x, w13, w2, ids, weights = random_problem(19, 8, 2, 64, 32, torch.float32, gen, pick=[0, 3, 4])
+    torch.testing.assert_close(_experts_dense(x, w13, w2, ids, weights, silu_and_mul_torch),
+                               fused_experts_torch(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+def test_softmax_topk_renormalised_equals_topk_then_softmax():
+    """Mixtral's definition (top-k of the logits, softmax over those) is the renormalised softmax top-k."""
+    logits = torch.randn(50, 8, generator=torch.Generator().manual_seed(0))
+    routing = softmax_topk(logits, 2, renormalize=True)
+    top_logits, top_ids = logits.topk(2, dim=-1)
+    assert torch.equal(routing.topk_ids, top_ids)
+    torch.testing.assert_close(routing.topk_weights, torch.softmax(top_logits, dim=-1))
+
+
+def test_grouped_sigmoid_topk_chooses_with_the_bias_and_weighs_without_it():
+    gen = torch.Generator().manual_seed(1)
+    logits = torch.randn(40, 8, generator=gen)
+    bias = torch.zeros(8)
+    bias[5] = 10.0          # expert 5 (group 1 of 2) always wins a slot, but its weight stays its own score
+    routing = grouped_sigmoid_topk(logits, 2, bias, n_group=2, topk_group=1, renormalize=False, scaling=2.0)
+    assert bool((routing.topk_ids == 5).any(dim=-1).all())
+    assert bool((routing.topk_ids >= 4).all())          # only group 1's experts: the chosen group
+    torch.testing.assert_close(routing.topk_weights, 2.0 * logits.sigmoid().gather(1, routing.topk_ids))
+
+
+@interpreted_only
+@pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
+def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tmp_path, name):
+    """The seam: LayerOps.fused_moe swapped for the kernel, nothing else changed, same logits."""
+    from dataclasses import replace
+
+    from kestrel.attention.torch_ref import TorchAttentionBackend
+    from kestrel.forward.batch import build_forward_batch
+    from kestrel.forward.runner import ModelRunner
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+    from kestrel.layers.ops import TORCH_OPS
+    from kestrel.models.loader import load_safetensors_weights
+    from kestrel.models.model_config import hf_model_config
+    from kestrel.models.registry import model_class
+    from tests.test_moe_models import make_moe_checkpoint
+
+    path = make_moe_checkpoint(tmp_path, name)
+    cfg = hf_model_config(path)
+    prompts = [[5, 9, 31, 2, 77, 100, 4], [8, 8, 3]]
+    logits = []
+    for ops in (TORCH_OPS, replace(TORCH_OPS, fused_moe=fused_experts_triton)):
+        model = model_class(cfg)(cfg, ops)
+        load_safetensors_weights(model, path)
+        runner = ModelRunner(model.eval(), cfg, TorchAttentionBackend(), torch.device("cpu"), torch.float32, 4)
+        runner.allocate_kv_cache(8)
+        logits.append(runner.forward(build_forward_batch(prompts, [0, 0], [[0, 1], [2]], 4)).logits)
+    torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
+
+
+def test_the_kernel_is_chosen_on_cuda_only_when_asked():
+    from kestrel.envs import DevSwitches
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+    from kestrel.layers.ops import choose_layer_ops
+
+    class Backend:
+        name = "any"
+
+        def supports_prewritten_kv(self) -> bool:
+            return True
+
+    cuda = torch.device("cuda")
+    assert choose_layer_ops(torch.device("cpu"), Backend(), DevSwitches(fused_moe=True)).fused_moe \
+        is fused_experts_torch
+    assert choose_layer_ops(cuda, Backend(), DevSwitches()).fused_moe is fused_experts_torch
+    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).fused_moe is fused_experts_triton
