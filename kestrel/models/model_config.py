@@ -32,6 +32,7 @@ class ModelConfig:
     torch_dtype: str | None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = field(default_factory=tuple)
+    quantization_config: dict[str, Any] | None = None   # as config.json has it; models/quantization.py reads it
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -95,6 +96,7 @@ def hf_model_config(model_dir: Path) -> ModelConfig:
             torch_dtype=raw.get("dtype") or raw.get("torch_dtype"),
             bos_token_id=raw.get("bos_token_id"),
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
+            quantization_config=raw.get("quantization_config"),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None
