@@ -39,8 +39,8 @@ def fp8_gemv_ref(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: 
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stride_xm, stride_wn, stride_sn, stride_om,
-                     TILE_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_om,
+                     K: tl.constexpr, TILE_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                      HAS_BIAS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     pid = tl.program_id(0)
     n_offs = pid * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -98,8 +98,8 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tupl
     if m == 0 or n == 0:
         return out
     _fp8_gemv_kernel[(triton.cdiv(n, BLOCK_N),)](
-        x, w8, scale, bias if bias is not None else scale, out, m, n, k, x.stride(0), w8.stride(0), scale.stride(0),
-        out.stride(0), TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
+        x, w8, scale, bias if bias is not None else scale, out, m, n, x.stride(0), w8.stride(0), scale.stride(0),
+        out.stride(0), K=k, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
         SCALE_BK=block[1] if block else 1, HAS_BIAS=bias is not None, BLOCK_M=triton.next_power_of_2(m),
         BLOCK_N=BLOCK_N, BLOCK_K=block_k)
     return out
