@@ -178,7 +178,9 @@ def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PL
 
     # _scaled_mm's row-wise scaling needs Hopper (sm90) or newer; below it the reference runs.
     large = scaled_mm_linear if torch.cuda.get_device_capability(device) >= (9, 0) else None
-    return Fp8LinearMethod(scheme, dense, small=fp8_gemv, small_max_rows=MAX_M, large=large)
+    # the kernel's K step divides the tile width, and is at least 16
+    small = fp8_gemv if scheme.block is None or scheme.block[1] % 16 == 0 else None
+    return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=MAX_M, large=large)
 
 
 def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[str], list[str]]) -> list[str]:
