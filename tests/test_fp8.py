@@ -341,3 +341,34 @@ def test_quantize_cli_writes_a_checkpoint(tmp_path, capsys):
     assert scheme == Fp8Scheme(method="compressed-tensors", block=(64, 64), scale_name="weight_scale",
                                ignore=("lm_head",))
     assert main(["quantize", str(DEFAULT_MODEL_DIR), str(out)]) == 2   # never overwrites
+
+
+def test_ignore_entries_match_names_prefixes_suffixes_and_regexes():
+    scheme = Fp8Scheme(method="t", ignore=("lm_head", "model.layers.0.mlp", "re:.*layers\\.3\\..*_proj$"))
+    assert scheme.ignores("lm_head") and scheme.ignores("model.layers.0.mlp.down_proj")
+    assert scheme.ignores("model.layers.3.self_attn.o_proj")
+    assert not scheme.ignores("model.layers.10.mlp.down_proj") and not scheme.ignores("model.layers.1.mlp.up_proj")
+
+
+def test_a_merged_layer_half_ignored_is_refused(tmp_path):
+    path = write_fp8_checkpoint(DEFAULT_MODEL_DIR, tmp_path / "q-only", "hf", "block", (128, 128),
+                                ("model.layers.0.self_attn.q_proj",))
+    with pytest.raises(ModelLoadError, match=r"leaves model.layers.0.self_attn.q_proj unquantized but not "
+                                             r"model.layers.0.self_attn.k_proj, model.layers.0.self_attn.v_proj"):
+        LLM(model=str(path), device="cpu")
+
+
+def test_a_float_tensor_where_fp8_is_expected_is_refused(tmp_path):
+    path = write_fp8_checkpoint(DEFAULT_MODEL_DIR, tmp_path / "ct", "compressed-tensors", "channel")
+    config = json.loads((path / "config.json").read_text())
+    # the writer left down_proj of layer 1 FP8; pretend the checkpoint's ignore list was lost for a float module
+    tensors = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as f:
+        for name in f.keys():
+            tensors[name] = f.get_tensor(name)
+    tensors["model.layers.1.mlp.down_proj.weight"] = tensors["model.layers.1.mlp.down_proj.weight"].to(torch.bfloat16)
+    save_file(tensors, str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.down_proj.weight: the compressed-tensors "
+                                             r"checkpoint's weight is torch.bfloat16, expected float8_e4m3fn"):
+        LLM(model=str(path), device="cpu")
