@@ -88,3 +88,77 @@ def test_scaled_mm_path_matches_the_dequantized_reference(with_bias):
     assert got.dtype == torch.bfloat16
     # x in FP8 per token: ~2^-4 relative per element, averaging over K = 64 terms
     assert ((got.double() - want).abs().max() / want.abs().max()).item() < 0.03
+
+
+# -- kernels/triton/gemv.py with FP8 weights (row scales), and the method's routing ---------------------------------
+
+def _gemv_configs():
+    from kestrel.kernels.triton import gemv
+
+    return {"broadcast": gemv.GemvConfig(block_n=16, block_k=64, use_dot=False),
+            "dot-fold4": gemv.GemvConfig(block_n=4, block_k=64, use_dot=True),
+            "broadcast-whole-k": gemv.GemvConfig(block_n=4, block_k=256, use_dot=False, num_warps=8)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # bf16: the reference rounds the weight to bf16 first, the kernel does not; two output ulps apart at most
+    tol = 1e-4 if got.dtype == torch.float32 else 2 ** -6 * want.abs().max().item()
+    assert got.dtype == want.dtype and (got.double() - want.double()).abs().max().item() < tol
+
+
+@interpreted_only
+@pytest.mark.parametrize("path", ["broadcast", "dot-fold4", "broadcast-whole-k"])
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 1), (torch.float32, 5), (torch.bfloat16, 3)])
+def test_skinny_kernels_take_fp8_weights_with_row_scales(path, dtype, m):
+    from kestrel.kernels.triton import gemv
+
+    config = _gemv_configs()[path]
+    x, w8, scale, bias = operands(m, dtype, None, seed=40 + m, with_bias=True)
+    w = dequantize(w8, scale).to(dtype)   # exact in float32; the bf16 case rounds the weight once
+    _close(gemv.gemv(x, w8, bias, config, w_scale=scale), gemv.gemv_ref(x, w, bias))
+    g = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, K, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    out, res = gemv.add_rms_norm_gemv(x, residual, norm_w, 1e-5, w8, bias, config, w_scale=scale)
+    want, want_res = gemv.add_rms_norm_gemv_ref(x, residual, norm_w, 1e-5, w, bias)
+    _close(out, want)
+    _close(res, want_res)   # the interpreter's bf16 add may differ from torch's by an ulp
+    gate_up = torch.randn(m, 2 * K, generator=g).to(dtype)
+    _close(gemv.silu_mul_gemv(gate_up, w8, bias, config, w_scale=scale), gemv.silu_mul_gemv_ref(gate_up, w, bias))
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["row", "block"])
+def test_fp8_method_runs_decode_rows_through_the_kernels(block):
+    """A decode-sized batch through an FP8 layer with the kernels (the CUDA choice) gives the reference's output,
+    norm folded in for row scales; a larger batch takes the reference."""
+    from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv
+    from kestrel.layers.fp8 import Fp8LinearMethod, Fp8Scheme, SkinnyFp8
+    from kestrel.layers.linear import MergedColumnParallelLinear
+    from kestrel.layers.norm import RMSNorm
+
+    scheme = Fp8Scheme(method="test", block=block)
+    calls = []
+
+    def counted(fn):
+        return lambda *a, **k: calls.append(fn.__name__) or fn(*a, **k)
+
+    fast = Fp8LinearMethod(scheme, small=counted(fp8_gemv), skinny=SkinnyFp8(
+        counted(gemv.gemv), counted(gemv.add_rms_norm_gemv), counted(gemv.silu_mul_gemv)))
+    ref = Fp8LinearMethod(scheme)
+    layers = [MergedColumnParallelLinear(64, [64, 64], method=method) for method in (fast, ref)]
+    g = torch.Generator().manual_seed(3)
+    for shard in (0, 1):
+        w8, scale = (quantize_per_row if block is None else lambda w: quantize_per_block(w, block))(
+            torch.randn(64, 64, generator=g) * 0.05)
+        for layer in layers:
+            layer.weight.weight_loader(layer.weight, w8, "w", shard_id=shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, scale, "s", shard_id=shard)
+    norm = RMSNorm(64, 1e-5)
+    for rows in (2, 20):
+        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        got, got_res = layers[0].norm_forward(x, residual, norm)
+        want, want_res = layers[1].norm_forward(x, residual, norm)
+        assert (got - want).abs().max().item() < 1e-4 and torch.equal(got_res, want_res)
+    assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_gemv"])

@@ -15,13 +15,15 @@ Scales are cut for tensor parallelism by the layer's own `Placement` (layers/lin
 a rank's rows (column-parallel) or columns (row-parallel) of the weight take the same rows or columns of the
 scales, so a shard must start on a tile boundary (checked at load, with a message).
 
-How a call runs (`apply`; the folds of LinearMethod fall back to it, unfused):
+How a call runs:
 
-    CPU                 dequantize per call into x's dtype, then F.linear: the reference, correctness only
-    CUDA, M <= 16       `small`: kernels/triton/fp8_gemv.py reads the FP8 bytes (half of bf16's), scales applied
-                        in its epilogue (row) or per K step (block)
-    CUDA, M > 16, row   `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
-    CUDA, M > 16, block dequantize per call (a block-scaled GEMM is future work)
+    CPU                  dequantize per call into x's dtype, then F.linear: the reference, correctness only
+    CUDA, M <= 16, row   `skinny`: kernels/triton/gemv.py's kernels read the FP8 bytes (half of bf16's), the scales
+                         in their epilogue, with the add + RMSNorm before qkv / gate_up and the SiLU-mul before
+                         down folded in as for bf16 (apply_norm, apply_silu)
+    CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py, one tile scale per K step; the folds run unfused
+    CUDA, M > 16, row    `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
+    CUDA, M > 16, block  dequantize per call (a block-scaled GEMM is future work)
 """
 from __future__ import annotations
 
@@ -37,7 +39,8 @@ from kestrel.errors import ModelLoadError
 from kestrel.layers.fp8_quant import (FP8, dequantize, quantize_activations_per_token, quantize_per_row,
                                       quantize_per_tensor)
 from kestrel.layers.ops import LayerOps
-from kestrel.layers.linear import PLAIN, LinearBase, LinearMethod, Placement, _copy_checked, place_slice, take_slice
+from kestrel.layers.linear import (PLAIN, LinearBase, LinearMethod, Norm, Placement, _copy_checked, place_slice,
+                                   take_slice)
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +84,11 @@ def scaled_mm_usable(x: torch.Tensor, w8: torch.Tensor) -> bool:
 class Fp8LinearMethod(LinearMethod):
     scheme: Fp8Scheme
     dense: LinearMethod = PLAIN   # what the layers the checkpoint leaves float run (`Fp8Scheme.ignore`)
-    # (x, w8, scale, block, bias) -> [M, N] for x of at most `small_max_rows` rows; None: the reference
+    # Block scales, x of at most `small_max_rows` rows: (x, w8, scale, block, bias) -> [M, N]; None: the reference
     small: Callable[..., torch.Tensor] | None = None
     small_max_rows: int = 16
+    # Row scales, x of at most `small_max_rows` rows: kernels/triton/gemv.py's three kernels (taking w_scale=)
+    skinny: "SkinnyFp8 | None" = None
     # (x, w8, row scale, bias) -> [M, N]; None: the reference. Row scales only.
     large: Callable[..., torch.Tensor] | None = None
 
@@ -159,14 +164,40 @@ class Fp8LinearMethod(LinearMethod):
         _copy_checked(place_slice(target, tiles), take_slice(scale, tiles, name), name)
 
     # -- the matmul ---------------------------------------------------------------------------------------------
+    def _skinny(self, x: torch.Tensor) -> bool:
+        return self.skinny is not None and self.scheme.block is None and x.shape[0] <= self.small_max_rows
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale(layer)
         block = self.scheme.block
-        if self.small is not None and x.shape[0] <= self.small_max_rows:
+        if self._skinny(x):
+            return self.skinny.gemv(x, layer.weight, layer.bias, w_scale=scale)
+        if self.small is not None and block is not None and x.shape[0] <= self.small_max_rows:
             return self.small(x, layer.weight, scale, block, layer.bias)
         if self.large is not None and block is None and scaled_mm_usable(x, layer.weight):
             return self.large(x, layer.weight, scale, layer.bias)
         return F.linear(x, dequantize(layer.weight, scale, block).to(x.dtype), layer.bias)
+
+    def apply_norm(self, layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self._skinny(x):
+            return self.skinny.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
+                                                 w_scale=self.scale(layer))
+        return super().apply_norm(layer, x, residual, norm)
+
+    def apply_silu(self, layer: LinearBase, gate_up: torch.Tensor,
+                   silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        if self._skinny(gate_up):
+            return self.skinny.silu_mul_gemv(gate_up, layer.weight, layer.bias, w_scale=self.scale(layer))
+        return super().apply_silu(layer, gate_up, silu_and_mul)
+
+
+@dataclass(frozen=True, slots=True)
+class SkinnyFp8:
+    """kernels/triton/gemv.py's launchers, each taking FP8 weights with `w_scale=` row scales."""
+    gemv: Callable[..., torch.Tensor]
+    add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul_gemv: Callable[..., torch.Tensor]
 
 
 def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PLAIN) -> Fp8LinearMethod:
@@ -174,13 +205,16 @@ def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PL
     scales), the dequantizing reference elsewhere."""
     if device.type != "cuda":
         return Fp8LinearMethod(scheme, dense)
+    from kestrel.kernels.triton import gemv
     from kestrel.kernels.triton.fp8_gemv import MAX_M, fp8_gemv
 
     # _scaled_mm's row-wise scaling needs Hopper (sm90) or newer; below it the reference runs.
     large = scaled_mm_linear if torch.cuda.get_device_capability(device) >= (9, 0) else None
     # the kernel's K step divides the tile width, and is at least 16
     small = fp8_gemv if scheme.block is None or scheme.block[1] % 16 == 0 else None
-    return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=MAX_M, large=large)
+    skinny = SkinnyFp8(gemv.gemv, gemv.add_rms_norm_gemv, gemv.silu_mul_gemv)
+    return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=min(MAX_M, gemv.MAX_M), skinny=skinny,
+                           large=large)
 
 
 def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[str], list[str]]) -> list[str]:
