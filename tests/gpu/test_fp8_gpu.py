@@ -1,6 +1,7 @@
-"""FP8 weights on CUDA: the compiled Triton FP8 skinny matmul and the torch._scaled_mm path against their torch
-references at real layer shapes, a CUDA-graph replay of the kernel, the engine's greedy tokens with and without
-graphs, and the kernel's time next to the bf16 skinny kernel's (printed: the GPU figures of issue #34).
+"""FP8 weights on CUDA: the compiled Triton FP8 skinny matmuls (fp8_gemv.py; gemv.py with row scales) and the
+torch._scaled_mm path against their torch references at real layer shapes, a CUDA-graph replay of the kernel, the
+engine's greedy tokens with and without graphs, and the kernels' times next to bf16's (printed: the GPU figures of
+issue #34).
 
 Same contract as tests/test_fp8_gemv.py (the kernel in Triton's CPU interpreter). Written without a GPU at hand:
 the first GPU run is its first run."""
@@ -41,6 +42,19 @@ def test_fp8_gemv_matches_reference(layer, scales, m):
     want = fp8_gemv_ref(x, w8, scale, BLOCKS[scales])
     # both sum float32 products of the same values; bf16 outputs differ by the summation order's last ulp
     assert torch.allclose(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_skinny_kernels_with_fp8_row_scales_match_reference(layer, m):
+    """kernels/triton/gemv.py with w_scale (the road of row-scaled FP8 layers), default configs."""
+    from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv_ref
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, m, None)
+    got = gemv.gemv(x, w8, w_scale=scale)
+    assert torch.allclose(got.float(), fp8_gemv_ref(x, w8, scale).float(), rtol=1.6e-2, atol=1e-2)
 
 
 def test_fp8_gemv_replays_in_a_cuda_graph():
@@ -98,10 +112,12 @@ def test_fp8_gemv_time_next_to_bf16(capsys):
         x, w8, scale = operands(k, n, 1, None)
         w16 = (w8.float() * scale).to(torch.bfloat16)
         fp8_us = _time_us(lambda: fp8_gemv(x, w8, scale))
+        fp8_skinny_us = _time_us(lambda: gemv.gemv(x, w8, w_scale=scale))
         bf16_us = _time_us(lambda: gemv.gemv(x, w16))
         cublas_us = _time_us(lambda: torch.nn.functional.linear(x, w16))
-        rows.append(f"{layer} bs1: fp8 triton {fp8_us:.1f} us, bf16 triton {bf16_us:.1f} us, "
-                    f"bf16 cuBLAS {cublas_us:.1f} us ({n * k / fp8_us / 1e3:.0f} GB/s fp8)")
+        rows.append(f"{layer} bs1: fp8 fp8_gemv.py {fp8_us:.1f} us, fp8 gemv.py {fp8_skinny_us:.1f} us "
+                    f"({n * k / fp8_skinny_us / 1e3:.0f} GB/s), bf16 gemv.py {bf16_us:.1f} us, "
+                    f"bf16 cuBLAS {cublas_us:.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert all("fp8" in r for r in rows)
