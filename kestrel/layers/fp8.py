@@ -121,7 +121,9 @@ class Fp8LinearMethod(LinearMethod):
         if self.scheme.online:
             if not loaded.is_floating_point() or loaded.dtype == FP8:
                 raise ModelLoadError(f"tensor {name}: --quantization fp8 quantizes a float checkpoint, got {loaded.dtype}")
-            # The whole checkpoint tensor is quantized (then cut), so every rank gets the same scales.
+            # The whole checkpoint tensor is quantized (then cut), so every rank gets the same scales; on the
+            # layer's device, where the amax and the cast are cheap (a GPU, for a model of any size).
+            loaded = loaded.to(layer.weight.device)
             w8, scale = quantize_per_tensor(loaded) if self.scheme.per_tensor else quantize_per_row(loaded)
             self._place_weight(layer, w8, name, shard_id)
             self._place_scale(layer, scale, name, shard_id)
