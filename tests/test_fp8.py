@@ -277,18 +277,25 @@ def test_block_scales_that_split_a_tile_are_refused():
                                              shard_id="k")
 
 
-def test_fp8_model_at_tp2_equals_one_rank(tmp_path):
-    path = write_fp8_checkpoint(DEFAULT_MODEL_DIR, tmp_path / "fp8", "hf", "block", (64, 64))
+@pytest.mark.parametrize("source", ["hf-block64", "online-per-tensor"])
+def test_fp8_model_at_tp2_equals_one_rank(tmp_path, source):
+    """Block scales cut with their weights (64 x 64 tiles: kestrel-tiny's per-rank KV rows are 64), and online
+    per-tensor scales, which every rank computes from the whole checkpoint tensor."""
+    if source == "hf-block64":
+        kw = dict(model=str(write_fp8_checkpoint(DEFAULT_MODEL_DIR, tmp_path / "fp8", "hf", "block", (64, 64))))
+    else:
+        kw = dict(quantization="fp8-per-tensor")
     runs = []
     for tp in (1, 2):
-        llm = LLM(model=str(path), device="cpu", tensor_parallel_size=tp)
+        llm = LLM(device="cpu", tensor_parallel_size=tp, **kw)
         try:
             logits = [llm.engine.prompt_logits(llm.tokenizer.encode(p)) for p in PROMPTS]
             runs.append((logits, [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]))
         finally:
             llm.shutdown()
     (ref_logits, ref_tokens), (logits, tokens) = runs
-    assert all((a - b).abs().max().item() < 1e-5 for a, b in zip(ref_logits, logits))
+    # float32; the split sums of o_proj / down_proj add in another order (seen: up to ~1e-5 on these logits)
+    assert max((a - b).abs().max().item() for a, b in zip(ref_logits, logits)) < LOGIT_TOL
     assert tokens == ref_tokens
 
 
