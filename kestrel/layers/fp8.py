@@ -46,7 +46,7 @@ from kestrel.layers.linear import (PLAIN, LinearBase, LinearMethod, Norm, Placem
 @dataclass(frozen=True, slots=True)
 class Fp8Scheme:
     """What an FP8 model's linear layers hold, read from its checkpoint (models/quantization.py) or the flag."""
-    method: str                           # for messages: "fp8", "compressed-tensors", "fp8 (online)"
+    method: str                           # for messages: "fp8", "compressed-tensors", "--quantization fp8"
     block: tuple[int, int] | None = None  # (bn, bk) tile of the scales; None: one scale per row
     scale_name: str = "weight_scale"      # the checkpoint's tensor name: weight_scale_inv (HF fp8) or weight_scale
     online: bool = False                  # the checkpoint is float: quantize each tensor as it loads

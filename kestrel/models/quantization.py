@@ -49,7 +49,7 @@ def fp8_scheme(quantization_config: dict[str, Any] | None, flag: str | None, whe
         if flag not in QUANTIZATION_FLAGS:
             raise ModelLoadError(f"--quantization {flag!r} is not supported: expected one of "
                                  f"{', '.join(QUANTIZATION_FLAGS)}")
-        return Fp8Scheme(method=f"{flag} (online)", online=True, per_tensor=flag == "fp8-per-tensor")
+        return Fp8Scheme(method=f"--quantization {flag}", online=True, per_tensor=flag == "fp8-per-tensor")
     method = str(quantization_config.get("quant_method", "?")).lower()
     if method == "fp8":
         return _hf_fp8(quantization_config, where)
