@@ -120,7 +120,8 @@ class Fp8LinearMethod(LinearMethod):
     def load_weight(self, layer: LinearBase, loaded: torch.Tensor, name: str, shard_id: object) -> None:
         if self.scheme.online:
             if not loaded.is_floating_point() or loaded.dtype == FP8:
-                raise ModelLoadError(f"tensor {name}: --quantization fp8 quantizes a float checkpoint, got {loaded.dtype}")
+                raise ModelLoadError(f"tensor {name}: --quantization fp8 quantizes a float checkpoint, got "
+                                     f"{loaded.dtype}")
             # The whole checkpoint tensor is quantized (then cut), so every rank gets the same scales; on the
             # layer's device, where the amax and the cast are cheap (a GPU, for a model of any size).
             loaded = loaded.to(layer.weight.device)
@@ -138,12 +139,12 @@ class Fp8LinearMethod(LinearMethod):
         self._place_scale(layer, loaded.float(), name, shard_id)
 
     def _place_weight(self, layer: LinearBase, w8: torch.Tensor, name: str, shard_id: object) -> None:
-        place = layer.placement(shard_id)
+        place = layer.placement() if shard_id is None else layer.placement(shard_id)
         _copy_checked(place_slice(layer.weight.data, place), take_slice(w8, place, name), name)
 
     def _place_scale(self, layer: LinearBase, scale: torch.Tensor, name: str, shard_id: object) -> None:
         """This rank's scales of one checkpoint tensor into the layer's (module docstring: the layouts)."""
-        place = layer.placement(shard_id)
+        place = layer.placement() if shard_id is None else layer.placement(shard_id)
         target = self.scale(layer).data
         if self.scheme.block is None:
             rows = place_slice(target, place) if place.dim == 0 else target

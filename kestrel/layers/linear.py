@@ -7,8 +7,8 @@ prologue after it); the method decides per call whether one kernel does the fold
 
 Every parameter carries a `weight_loader(param, loaded[, shard_id])` that copies this rank's slice of a checkpoint
 tensor; with one rank the slice is the whole tensor. Where that slice lies is one `Placement` per (layer, shard),
-so a quantized method's scales (layers/fp8.py) are cut along the same rows and columns as their weight. QKV and gate/up are merged at load so one GEMM serves
-several checkpoint tensors. On rank r of N (heads H, KV heads K):
+so a quantized method's scales (layers/fp8.py) are cut along the same rows and columns as their weight. QKV and
+gate/up are merged at load so one GEMM serves several checkpoint tensors. On rank r of N (heads H, KV heads K):
 
     qkv_proj.weight: [(H/N + 2 * K_r) * head_dim, hidden]   rows: q heads [r H/N, (r+1) H/N) | k | v
                      K_r = K/N KV heads from r K/N when K >= N; else one, KV head r // (N/K), replicated on N/K ranks
@@ -177,7 +177,7 @@ class LinearBase(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
                       shard_id: object = None) -> None:
-        place = self.placement(shard_id)
+        place = self.placement() if shard_id is None else self.placement(shard_id)
         if param.dim() == 1 and place.dim == 1:
             # a row-parallel bias is whole on every rank and added once: by rank 0's partial sum
             _copy_checked(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), name)
