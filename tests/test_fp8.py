@@ -379,3 +379,16 @@ def test_a_float_tensor_where_fp8_is_expected_is_refused(tmp_path):
     with pytest.raises(ModelLoadError, match=r"model.layers.1.mlp.down_proj.weight: the compressed-tensors "
                                              r"checkpoint's weight is torch.bfloat16, expected float8_e4m3fn"):
         LLM(model=str(path), device="cpu")
+
+
+def test_static_activation_and_kv_cache_scales_are_not_read():
+    """Kestrel quantizes activations per token and keeps its KV cache in the model dtype."""
+    from torch import nn
+
+    from kestrel.models.weight_placer import WeightPlacer
+
+    placer = WeightPlacer(nn.Module())
+    for name in ("model.layers.0.self_attn.q_proj.input_scale", "model.layers.0.self_attn.k_scale",
+                 "model.layers.0.self_attn.v_scale"):
+        assert placer.skips(name)
+    assert not placer.skips("model.layers.0.self_attn.q_proj.weight_scale")

@@ -16,7 +16,8 @@ Formats read, tensors as the checkpoint names them (W ≈ weight.float() * scale
                                                 (default) or per checkpoint tensor
 
 Activations are quantized per token as they come wherever a kernel wants FP8 inputs; a static `input_scale`
-in the checkpoint is not read (models/weight_placer.py skips it).
+in the checkpoint is not read, nor an FP8 KV cache's `k_scale` / `v_scale` (the KV cache keeps the model dtype):
+models/weight_placer.py skips them.
 """
 from __future__ import annotations
 

@@ -8,8 +8,9 @@ from torch import nn
 
 from kestrel.errors import ModelLoadError
 
-# input_scale: a static FP8 activation scale; Kestrel quantizes activations per token as they come (layers/fp8.py)
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale")
+# input_scale: a static FP8 activation scale; Kestrel quantizes activations per token as they come (layers/fp8.py).
+# k_scale / v_scale: an FP8 KV cache's scales; Kestrel's KV cache keeps the model dtype, so they have no use.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale")
 
 
 def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object | None]:
