@@ -107,7 +107,9 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     progress = Progress()
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=args.concurrency,
-                                 max_num_seqs=max(256, args.concurrency)), progress)
+                                 max_num_seqs=max(256, args.concurrency), quantization=args.quantization), progress)
+    if args.quantization:
+        results["quantization"] = args.quantization
     results["startup_s"] = time.perf_counter() - t0
     results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
     runner = engine.runner
@@ -251,6 +253,8 @@ def main() -> int:
                     "children run Kestrel and the HF peer in separate processes, so the peer gets the whole GPU)")
     ap.add_argument("--in-process", action="store_true", help="bench every model in this process (default: one "
                     "child process per model, so no model's memory is left over for the next)")
+    ap.add_argument("--quantization", default=None, choices=["fp8", "fp8-per-tensor"],
+                    help="Kestrel's linear layers in FP8, quantized at load (the FP8 row; the HF peer stays bf16)")
     args = ap.parse_args()
     if not args.in_process:
         return bench_each_model_in_a_child(args)
@@ -302,7 +306,8 @@ def bench_each_model_in_a_child(args) -> int:
             cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--only", system,
                    "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
                    "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
-                   "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else [])
+                   "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else []) \
+                + (["--quantization", args.quantization] if args.quantization else [])
             subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
             try:
                 part = json.loads(out.read_text())

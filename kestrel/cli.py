@@ -1,4 +1,4 @@
-"""`kestrel generate | serve | bench | launch | convert`: thin — parse, then hand over to the module that owns it."""
+"""`kestrel generate | serve | bench | launch | convert | quantize`: thin — parse, then hand over to its module."""
 from __future__ import annotations
 
 import argparse
@@ -15,6 +15,7 @@ SUBCOMMANDS = {
     "bench": "kestrel.bench.cli",
     "launch": "kestrel.bench.launch_cli",
     "convert": "kestrel.convert_cli",
+    "quantize": "kestrel.quantize_cli",
     "train-eagle3": "kestrel.train.train_cli",
     "eval-drafter": "kestrel.train.eval_cli",
 }

@@ -21,6 +21,7 @@ class EngineConfig:
     tokenizer: str | None = None           # defaults to `model`
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
+    quantization: str | None = None        # fp8 | fp8-per-tensor: quantize a float checkpoint's linears at load
     seed: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.90   # CUDA: fraction of device memory for weights + activations + KV
@@ -65,6 +66,9 @@ class EngineConfig:
                                f"expected >= the block size ({self.block_size})")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16", "fp32", "bf16", "fp16", "half", "float"):
             raise KestrelError(f"--dtype {self.dtype!r} is invalid: expected auto, float32, bfloat16 or float16")
+        if self.quantization not in (None, "fp8", "fp8-per-tensor"):
+            raise KestrelError(f"--quantization {self.quantization!r} is invalid: expected fp8 or fp8-per-tensor "
+                               "(FP8 checkpoints are recognised from their config.json without the flag)")
         if self.attention_backend not in (None, "triton", "flashinfer", "torch"):
             raise KestrelError(f"--attention-backend {self.attention_backend!r} is invalid: "
                                "expected triton, flashinfer or torch")
@@ -178,6 +182,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     parser.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="weights and activations: auto (the checkpoint's on CUDA, "
                         "float32 on CPU) | float32 | bfloat16 | float16")
+    parser.add_argument("--quantization", default=None, choices=["fp8", "fp8-per-tensor"],
+                        help="quantize a float checkpoint's linear layers to FP8 as it loads, one scale per output "
+                        "channel (fp8) or per tensor; FP8 checkpoints (HF fp8, compressed-tensors) load as FP8 "
+                        "without it")
     parser.add_argument("--seed", type=int, default=0, help="random seed for weight init and unseeded sampling")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90,

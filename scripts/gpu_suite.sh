@@ -6,6 +6,8 @@
 # Prints one short table last.
 #
 #   bash scripts/gpu_suite.sh [--dry-run] [extra engine_bench.py flags]
+#   (the FP8 row: STAGES=bench bash scripts/gpu_suite.sh --quantization fp8; tests/gpu/test_fp8_gpu.py prints
+#   the FP8 skinny matmul's times beside bf16's)
 #
 #   STAGES="bench serve tests"   the stages to run, always in this order (the default: all three; tests/gpu whole
 #                                takes more than what the measurements leave of 10 minutes, so for every file to

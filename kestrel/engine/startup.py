@@ -23,9 +23,11 @@ from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
+from kestrel.layers.fp8 import keep_float, with_fp8
 from kestrel.layers.ops import choose_layer_ops
 from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.model_config import ModelConfig
+from kestrel.models.quantization import checkpoint_modules, fp8_scheme
 from kestrel.models.registry import model_class
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress, child_cpu_progress
@@ -104,12 +106,19 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
 
     backend = select_attention_backend(config, device)
     ops = choose_layer_ops(device, backend)
+    fp8 = fp8_scheme(cfg.quantization_config, config.quantization, path)
     torch.manual_seed(config.seed)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
-            model = model_class(cfg)(cfg, ops, tp)
+            # An FP8 model's linear layers are built FP8 (never float first); those its checkpoint leaves float
+            # get their float weights back before loading.
+            model = model_class(cfg)(cfg, with_fp8(ops, fp8, device) if fp8 else ops, tp)
+            if fp8 is not None:
+                kept = keep_float(model, fp8, checkpoint_modules(model))
+                logger.info("FP8 weights (%s%s)%s", fp8.method, f", {fp8.block[0]}x{fp8.block[1]} blocks"
+                            if fp8.block else "", f"; left float: {', '.join(kept)}" if kept else "")
         finally:
             torch.set_default_dtype(default_dtype)
     model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32

@@ -6,8 +6,9 @@ also offers the folds a decoder composes (the norm before it, SiLU-mul on its in
 prologue after it); the method decides per call whether one kernel does the fold or the unfused ops run.
 
 Every parameter carries a `weight_loader(param, loaded[, shard_id])` that copies this rank's slice of a checkpoint
-tensor; with one rank the slice is the whole tensor. QKV and gate/up are merged at load so one GEMM serves
-several checkpoint tensors. On rank r of N (heads H, KV heads K):
+tensor; with one rank the slice is the whole tensor. Where that slice lies is one `Placement` per (layer, shard),
+so a quantized method's scales (layers/fp8.py) are cut along the same rows and columns as their weight. QKV and
+gate/up are merged at load so one GEMM serves several checkpoint tensors. On rank r of N (heads H, KV heads K):
 
     qkv_proj.weight: [(H/N + 2 * K_r) * head_dim, hidden]   rows: q heads [r H/N, (r+1) H/N) | k | v
                      K_r = K/N KV heads from r K/N when K >= N; else one, KV head r // (N/K), replicated on N/K ranks
@@ -15,7 +16,10 @@ several checkpoint tensors. On rank r of N (heads H, KV heads K):
     o_proj, down_proj: [hidden, in/N]                        columns sliced; the partial sums are all-reduced
 
 Column-parallel layers need no communication (each rank keeps its heads / its intermediate slice); a row-parallel
-layer ends in one all-reduce, after its method, so every method (plain, skinny, later FP8) is reduced the same way.
+layer ends in one all-reduce, after its method, so every method (plain, skinny, FP8) is reduced the same way.
+
+A method may own the layer's weights (`LinearMethod.create_weights`, called by `LinearBase.set_method` before any
+weight is loaded): the FP8 method replaces `weight` by FP8 values and adds their scales.
 """
 from __future__ import annotations
 
@@ -39,6 +43,18 @@ def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, what: str) -> None:
     param.data.copy_(loaded)
 
 
+def take_slice(loaded: torch.Tensor, place: "Placement", name: str) -> torch.Tensor:
+    """This rank's part of a checkpoint tensor (the whole tensor with one rank)."""
+    if loaded.dim() <= place.dim or loaded.shape[place.dim] != place.full:
+        raise ModelLoadError(f"tensor {name}: checkpoint shape {tuple(loaded.shape)} does not match the expected "
+                             f"{place.full} along dim {place.dim}")
+    return loaded.narrow(place.dim, place.src, place.size)
+
+
+def place_slice(param: torch.Tensor, place: "Placement") -> torch.Tensor:
+    return param.narrow(place.dim, place.dst, place.size)
+
+
 def silu_and_mul_torch(gate_up: torch.Tensor) -> torch.Tensor:
     """[T, 2 I] (gate | up) -> silu(gate) * up, [T, I]."""
     gate, up = gate_up.chunk(2, dim=-1)
@@ -58,8 +74,25 @@ class RopeInputs:
     head_dim: int
 
 
+@dataclass(frozen=True, slots=True)
+class Placement:
+    """Where this rank's part of one checkpoint tensor (or one shard of a merged layer) goes, along `dim`:
+    loaded[src : src + size] -> param[dst : dst + size]; the checkpoint tensor is `full` long along `dim`."""
+    dim: int
+    dst: int
+    src: int
+    size: int
+    full: int
+
+
 class LinearMethod:
     """The plain method: torch ops. Subclasses replace the calls they can do faster and fall back here."""
+
+    def create_weights(self, layer: "LinearBase") -> None:
+        """Give the layer the parameters this method reads (in the model's default dtype and device): the plain
+        method reads a float `weight` [out, in]."""
+        layer.weight = nn.Parameter(torch.empty(layer.out_features, layer.in_features), requires_grad=False)
+        layer.weight.weight_loader = layer.weight_loader
 
     def apply(self, layer: "LinearBase", x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, layer.weight, layer.bias)
@@ -121,24 +154,35 @@ class LinearBase(nn.Module):
         self.tp = tp
         self.tp_rank, self.tp_size, self.tp_dim = tp.rank, tp.size, tp_dim
         self.method = method
-        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        self.in_features, self.out_features = in_features, out_features   # this rank's
+        method.create_weights(self)
         if bias:
             self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False)
             self.bias.weight_loader = self.weight_loader
         else:
             self.register_parameter("bias", None)
 
-    def _shard(self, loaded: torch.Tensor, dim: int) -> torch.Tensor:
-        if self.tp_size == 1:
-            return loaded
-        size = loaded.shape[dim] // self.tp_size
-        return loaded.narrow(dim, self.tp_rank * size, size)
+    def set_method(self, method: LinearMethod) -> None:
+        """Run through `method` from now on; its weights replace the layer's (before any weight is loaded)."""
+        self.method = method
+        method.create_weights(self)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?") -> None:
-        if self.tp_dim is not None and (param.dim() > 1 or self.tp_dim == 0):
-            loaded = self._shard(loaded, self.tp_dim if param.dim() > 1 else 0)
-        _copy_checked(param, loaded, name)
+    def placement(self, shard_id: object = None) -> Placement:
+        """This rank's rows (column-parallel) or columns (row-parallel) of a checkpoint tensor."""
+        if self.tp_dim == 1:
+            return Placement(1, 0, self.tp_rank * self.in_features, self.in_features, self.in_features * self.tp_size)
+        size = self.tp_size if self.tp_dim == 0 else 1
+        return Placement(0, 0, self.tp_rank * self.out_features if size > 1 else 0, self.out_features,
+                         self.out_features * size)
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
+                      shard_id: object = None) -> None:
+        place = self.placement() if shard_id is None else self.placement(shard_id)
+        if param.dim() == 1 and place.dim == 1:
+            # a row-parallel bias is whole on every rank and added once: by rank 0's partial sum
+            _copy_checked(param, loaded if self.tp_rank == 0 else torch.zeros_like(loaded), name)
+            return
+        _copy_checked(place_slice(param.data, place), take_slice(loaded, place, name), name)
 
     # Every entry goes through self.method (RowParallelLinear all-reduces what it returns).
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -177,13 +221,6 @@ class RowParallelLinear(LinearBase):
                  method: LinearMethod = PLAIN) -> None:
         super().__init__(in_features // tp.size, out_features, bias, 1, tp, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?") -> None:
-        if param.dim() > 1:
-            loaded = self._shard(loaded, 1)
-        elif self.tp_rank != 0:
-            loaded = torch.zeros_like(loaded)   # the bias is added once: by rank 0's partial sum
-        _copy_checked(param, loaded, name)
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.tp.all_reduce(self.method.apply(self, x))
 
@@ -200,11 +237,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.output_sizes = output_sizes
         super().__init__(in_features, sum(output_sizes), bias, tp, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
-                      shard_id: int = 0) -> None:
-        offset = sum(self.output_sizes[:shard_id]) // self.tp_size
-        size = self.output_sizes[shard_id] // self.tp_size
-        _copy_checked(param.data.narrow(0, offset, size), self._shard(loaded, 0), name)
+    def placement(self, shard_id: object = 0) -> Placement:
+        shard = int(shard_id)
+        size = self.output_sizes[shard] // self.tp_size
+        return Placement(0, sum(self.output_sizes[:shard]) // self.tp_size, self.tp_rank * size, size,
+                         self.output_sizes[shard])
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -217,15 +254,14 @@ class QKVParallelLinear(ColumnParallelLinear):
         self.num_kv_heads = kv_heads_per_rank(num_kv_heads, tp.size)
         # which of the checkpoint's KV-head groups this rank holds (a replicated head is held by N/K ranks)
         self.kv_shard = tp.rank // max(1, tp.size // num_kv_heads)
+        self.total_heads, self.total_kv_heads = num_heads, num_kv_heads
         out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
         LinearBase.__init__(self, hidden_size, out, bias, 0, tp, method)
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
-                      shard_id: str = "q") -> None:
+    def placement(self, shard_id: object = "q") -> Placement:
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        offset, size, index = {"q": (0, q_size, self.tp_rank), "k": (q_size, kv_size, self.kv_shard),
-                               "v": (q_size + kv_size, kv_size, self.kv_shard)}[shard_id]
-        if self.tp_size > 1:
-            loaded = loaded.narrow(0, index * size, size)
-        _copy_checked(param.data.narrow(0, offset, size), loaded, name)
+        if shard_id == "q":
+            return Placement(0, 0, self.tp_rank * q_size, q_size, self.total_heads * self.head_dim)
+        offset = q_size if shard_id == "k" else q_size + kv_size
+        return Placement(0, offset, self.kv_shard * kv_size, kv_size, self.total_kv_heads * self.head_dim)

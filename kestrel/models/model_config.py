@@ -55,6 +55,7 @@ class ModelConfig:
     qk_rope_head_dim: int = 0             # == head_dim for MLA models (the rotary table's width)
     v_head_dim: int = 0
     rope_interleave: bool = False         # rotary pairs (x0, x1), (x2, x3), ... instead of the two halves
+    quantization_config: dict[str, Any] | None = None   # as config.json has it; models/quantization.py reads it
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -125,6 +126,7 @@ def hf_model_config(model_dir: Path) -> ModelConfig:
             eos_token_ids=_as_tuple(raw.get("eos_token_id")),
             rotary_dim=_rotary_dim(raw, rope, num_heads),
             **_moe_fields(arch, raw), **(_mla_fields(raw) if mla else {}),
+            quantization_config=raw.get("quantization_config"),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None

@@ -8,7 +8,9 @@ from torch import nn
 
 from kestrel.errors import ModelLoadError
 
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+# input_scale: a static FP8 activation scale; Kestrel quantizes activations per token as they come (layers/fp8.py).
+# k_scale / v_scale: an FP8 KV cache's scales; Kestrel's KV cache keeps the model dtype, so they have no use.
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale")
 
 
 def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object | None]:
@@ -44,7 +46,8 @@ class WeightPlacer:
         if param is None:
             raise ModelLoadError(f"{source}: tensor {name!r} has no place in {self.model_name} (unexpected weight)")
         loader = getattr(param, "weight_loader")
-        tensor = tensor.to(param.dtype)
+        if not getattr(param, "casts_itself", False):   # FP8 weights and their scales keep their dtype here
+            tensor = tensor.to(param.dtype)
         if shard_id is None:
             loader(param, tensor, name)
         else:

@@ -28,7 +28,12 @@ Prologues, with the numerics of kestrel/kernels/triton/fused_ops.py (each `*_ref
                  program's K slice is one tile (broadcast path), one pass does both (one_pass_norm). Program 0
                  alone writes residual_out = h.
   - SiLU-mul:    gate_up [M, 2I] = [gate | up]; a = silu(gate).to(dtype) * up, rounded to dtype.
-The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one rounding to the model dtype. The
+The matmul itself is F.linear's: fp32 accumulation, bias added in fp32, one rounding to the model dtype.
+
+FP8 weights (`w_scale` given: w float8_e4m3fn [N, K], w_scale float32 [N, 1], W = w * w_scale, layers/fp8.py's
+row scales): the tile is read at one byte an element and converted in registers (exact: every E4M3 value is a
+16-bit float), the products summed as above, and each output row multiplied by its scale before the bias. The
+prologues are unchanged, so an FP8 layer keeps the norm and SiLU-mul folds. The
 accumulation order differs from cuBLAS / torch's CPU GEMM, so 16-bit outputs match the references to about an ulp.
 
 On Hopper the kernel is launched with PDL (kestrel/kernels/triton/pdl.py): each program reads its first weight tile, then
@@ -250,6 +255,8 @@ def _dot_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_
     if DOT_FP32:   # Triton's interpreter gets bf16 dots wrong
         w = w.to(tl.float32)
         a = a.to(tl.float32)
+    else:
+        w = w.to(a.dtype)   # FP8 weights into the activations' dtype (exact); a no-op otherwise
     return acc + tl.dot(w, tl.trans(a), input_precision=DOT_PRECISION)
 
 
@@ -349,12 +356,13 @@ def _mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, M, stride_xm, stride_rm,
 
 @triton.jit
 def _skinny_matmul_kernel(
-    x_ptr, res_ptr, norm_w_ptr, w_ptr, bias_ptr, out_ptr, res_out_ptr,
+    x_ptr, res_ptr, norm_w_ptr, w_ptr, w_scale_ptr, bias_ptr, out_ptr, res_out_ptr,
     M, N, stride_xm, stride_rm, stride_rom, stride_wn, stride_om, eps,
     K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_DOT: tl.constexpr, FOLD: tl.constexpr, UNROLL: tl.constexpr,
     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr, ONE_PASS_NORM: tl.constexpr,
+    HAS_W_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0)
     n0 = pid * BLOCK_N
@@ -389,6 +397,8 @@ def _skinny_matmul_kernel(
     out = _unfold(acc, BLOCK_N, FOLD, BLOCK_M)
     n_offs = n0 + tl.arange(0, BLOCK_N)
     n_mask = n_offs < N
+    if HAS_W_SCALE:   # FP8 weights: one scale per output row
+        out = out * tl.load(w_scale_ptr + n_offs, mask=n_mask, other=0.0)[:, None]
     if HAS_BIAS:
         out += tl.load(bias_ptr + n_offs, mask=n_mask, other=0.0).to(tl.float32)[:, None]
     rows = tl.arange(0, BLOCK_M)
@@ -402,14 +412,15 @@ def _skinny_matmul_kernel(
 
 
 def gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-         config: GemvConfig | None = None) -> torch.Tensor:
-    """Triton twin of gemv_ref: x [M <= 16, K] (unit last stride) @ w [N, K].T (+ bias [N]) -> [M, N]."""
-    return _launch(PROLOGUE_NONE.value, x, None, None, 0.0, w, bias, w.shape[1], config)[0]
+         config: GemvConfig | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Triton twin of gemv_ref: x [M <= 16, K] (unit last stride) @ w [N, K].T (+ bias [N]) -> [M, N]; with
+    w_scale, w is FP8 and W = w * w_scale (module docstring)."""
+    return _launch(PROLOGUE_NONE.value, x, None, None, 0.0, w, bias, w.shape[1], config, w_scale)[0]
 
 
 def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
-                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None
-                      ) -> tuple[torch.Tensor, torch.Tensor]:
+                      w: torch.Tensor, bias: torch.Tensor | None = None, config: GemvConfig | None = None,
+                      w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Triton twin of add_rms_norm_gemv_ref: (rms_norm(x + residual) @ w.T (+ bias) [M, N], x + residual [M, K]).
 
     With residual None the second result is x itself.
@@ -420,22 +431,22 @@ def add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weigh
     if residual is not None:
         assert residual.shape == x.shape, f"residual {tuple(residual.shape)} != x {tuple(x.shape)}"
         assert residual.dtype == x.dtype and residual.stride(-1) == 1, "residual: x's dtype, unit last stride"
-    out, res_out = _launch(PROLOGUE_RMS.value, x, residual, norm_weight, eps, w, bias, hidden, config)
+    out, res_out = _launch(PROLOGUE_RMS.value, x, residual, norm_weight, eps, w, bias, hidden, config, w_scale)
     return out, (x if residual is None else res_out)
 
 
 def silu_mul_gemv(gate_up: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None,
-                  config: GemvConfig | None = None) -> torch.Tensor:
+                  config: GemvConfig | None = None, w_scale: torch.Tensor | None = None) -> torch.Tensor:
     """Triton twin of silu_mul_gemv_ref: gate_up [M <= 16, 2I] = [gate | up], w [N, I] -> [M, N]."""
     width = gate_up.shape[-1]
     assert width % 2 == 0, f"gate_up's last dim {width} is not [gate | up]"
-    return _launch(PROLOGUE_SILU.value, gate_up, None, None, 0.0, w, bias, width // 2, config)[0]
+    return _launch(PROLOGUE_SILU.value, gate_up, None, None, 0.0, w, bias, width // 2, config, w_scale)[0]
 
 
 def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
-            eps: float, w: torch.Tensor, bias: torch.Tensor | None, k: int, config: GemvConfig | None
-            ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    _check_operands(x, w, bias, k)
+            eps: float, w: torch.Tensor, bias: torch.Tensor | None, k: int, config: GemvConfig | None,
+            w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    _check_operands(x, w, bias, k, w_scale)
     m, n = x.shape[0], w.shape[0]
     cfg = config or default_config(m, n, k)
     fold = _fold(cfg)
@@ -448,14 +459,15 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
     block_m = DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m)
     res, ro = (residual, res_out) if with_res else (x, out)     # unused by the kernel without a residual
     _skinny_matmul_kernel[(triton.cdiv(n, cfg.block_n),)](
-        x, res, norm_weight if norm_weight is not None else w, w, bias if bias is not None else w, out, ro,
+        x, res, norm_weight if norm_weight is not None else w, w, w_scale if w_scale is not None else w,
+        bias if bias is not None else w, out, ro,
         m, n, x.stride(0), res.stride(0), ro.stride(0), w.stride(0), out.stride(0), eps,
         K=k, PROLOGUE=prologue, HAS_RES=with_res, HAS_BIAS=bias is not None,
         BLOCK_M=block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
         USE_DOT=cfg.use_dot, FOLD=fold, UNROLL=cfg.unroll,
         DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
         DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",   # fp32 models keep exact fp32 dots
-        ONE_PASS_NORM=prologue == PROLOGUE_RMS.value and one_pass_norm(cfg, k),
+        ONE_PASS_NORM=prologue == PROLOGUE_RMS.value and one_pass_norm(cfg, k), HAS_W_SCALE=w_scale is not None,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch_options(x.device),
     )
     return out, res_out
@@ -474,12 +486,18 @@ def _fold(cfg: GemvConfig) -> int:
     return max(1, DOT_BLOCK_M // cfg.block_n) if cfg.use_dot else 1
 
 
-def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: int) -> None:
+def _check_operands(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, k: int,
+                    w_scale: torch.Tensor | None = None) -> None:
     assert x.dim() == 2 and w.dim() == 2, f"x {tuple(x.shape)} and w {tuple(w.shape)} must be 2-D"
     assert x.shape[0] <= MAX_M, f"skinny matmul serves M <= {MAX_M} rows, got {x.shape[0]}: use F.linear"
     assert w.shape[1] == k, f"w {tuple(w.shape)} does not take K={k}"
     assert x.stride(-1) == 1 and w.stride(-1) == 1, "x and w need a unit last stride"
-    assert w.dtype == x.dtype, f"w {w.dtype} != x {x.dtype}"
+    if w_scale is None:
+        assert w.dtype == x.dtype, f"w {w.dtype} != x {x.dtype}"
+    else:
+        assert w.dtype == torch.float8_e4m3fn, f"w_scale goes with FP8 weights, not {w.dtype}"
+        assert w_scale.dtype == torch.float32 and w_scale.numel() == w.shape[0] and w_scale.is_contiguous(), \
+            f"w_scale must be float32 [{w.shape[0]}, 1], got {w_scale.dtype} {tuple(w_scale.shape)}"
     if bias is not None:
         assert bias.shape == (w.shape[0],) and bias.dtype == x.dtype, f"bias must be [{w.shape[0]}] in {x.dtype}"
         assert bias.stride(0) == 1, "bias must be contiguous"

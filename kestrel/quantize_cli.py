@@ -1,0 +1,31 @@
+"""`kestrel quantize SRC DST`: a float HF checkpoint written as an FP8 one (models/fp8_writer.py)."""
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("quantize", help="float HF checkpoint directory -> FP8 checkpoint (hf fp8 or "
+                       "compressed-tensors)")
+    p.add_argument("source", help="float HF checkpoint directory")
+    p.add_argument("out_dir", help="directory to write (new or empty)")
+    p.add_argument("--format", dest="fmt", default="hf", choices=["hf", "compressed-tensors"],
+                   help="hf: quant_method fp8 (DeepSeek-V3 / Qwen3-FP8 style); compressed-tensors: "
+                   "float-quantized (llm-compressor style)")
+    p.add_argument("--strategy", default=None, choices=["block", "channel", "tensor"],
+                   help="scales per tile, output channel or tensor (default: block for hf, channel for "
+                   "compressed-tensors)")
+    p.add_argument("--block", type=int, nargs=2, default=[128, 128], metavar=("BN", "BK"),
+                   help="the tile of block scales")
+    p.add_argument("--ignore", nargs="*", default=[], metavar="MODULE",
+                   help="checkpoint modules left float, e.g. model.layers.0.mlp.down_proj")
+
+
+def run(args: argparse.Namespace) -> int:
+    from kestrel.models.fp8_writer import write_fp8_checkpoint
+
+    out = write_fp8_checkpoint(Path(args.source), Path(args.out_dir), args.fmt, args.strategy, tuple(args.block),
+                               tuple(args.ignore))
+    print(out)
+    return 0

@@ -1,0 +1,123 @@
+"""FP8 weights on CUDA: the compiled Triton FP8 skinny matmuls (fp8_gemv.py; gemv.py with row scales) and the
+torch._scaled_mm path against their torch references at real layer shapes, a CUDA-graph replay of the kernel, the
+engine's greedy tokens with and without graphs, and the kernels' times next to bf16's (printed: the GPU figures of
+issue #34).
+
+Same contract as tests/test_fp8_gemv.py (the kernel in Triton's CPU interpreter). Written without a GPU at hand:
+the first GPU run is its first run."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.layers.fp8_quant import quantize_per_block, quantize_per_row
+from tests.gpu.engine_tokens import greedy_tokens
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+LAYERS = {  # name: (K, N)
+    "0.6b.qkv": (1024, 4096), "0.6b.down": (3072, 1024), "8b.qkv": (4096, 6144), "8b.gate_up": (4096, 28672),
+    "8b.down": (14336, 4096),
+}
+BLOCKS = {"row": None, "block128": (128, 128)}
+
+
+def operands(k: int, n: int, m: int, block, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    x = torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
+    w = torch.randn(n, k, device="cuda", generator=g) * 0.02
+    w8, scale = quantize_per_row(w) if block is None else quantize_per_block(w, block)
+    return x, w8, scale.contiguous()
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("scales", list(BLOCKS))
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_fp8_gemv_matches_reference(layer, scales, m):
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, m, BLOCKS[scales])
+    got = fp8_gemv(x, w8, scale, BLOCKS[scales])
+    want = fp8_gemv_ref(x, w8, scale, BLOCKS[scales])
+    # both sum float32 products of the same values; bf16 outputs differ by the summation order's last ulp
+    assert torch.allclose(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+@pytest.mark.parametrize("layer", list(LAYERS))
+def test_skinny_kernels_with_fp8_row_scales_match_reference(layer, m):
+    """kernels/triton/gemv.py with w_scale (the road of row-scaled FP8 layers), default configs."""
+    from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv_ref
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, m, None)
+    got = gemv.gemv(x, w8, w_scale=scale)
+    assert torch.allclose(got.float(), fp8_gemv_ref(x, w8, scale).float(), rtol=1.6e-2, atol=1e-2)
+
+
+def test_fp8_gemv_replays_in_a_cuda_graph():
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv
+
+    x, w8, scale = operands(4096, 6144, 2, None)
+    eager = fp8_gemv(x, w8, scale)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, w8, scale)
+    x.copy_(x * 0.5)
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.allclose(out.float(), (eager.float() * 0.5), rtol=2e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("layer", ["0.6b.qkv", "8b.gate_up"])
+def test_scaled_mm_path_is_within_activation_quantization_error(layer):
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv_ref
+    from kestrel.layers.fp8 import scaled_mm_linear
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, 256, None)
+    got = scaled_mm_linear(x, w8, scale, None).float()
+    want = fp8_gemv_ref(x.float(), w8, scale).float()
+    assert ((got - want).abs().max() / want.abs().max()).item() < 0.03
+
+
+def test_fp8_engine_graphs_keep_eager_tokens(monkeypatch):
+    """float32 activations: the decode graphs and eager decode run the same FP8 kernel on the same inputs."""
+    graphs = greedy_tokens(None, monkeypatch, {}, quantization="fp8", dtype="float32")
+    eager = greedy_tokens(None, monkeypatch, {}, quantization="fp8", dtype="float32", disable_cuda_graph=True)
+    assert graphs == eager
+
+
+def _time_us(fn, iters: int = 200) -> float:
+    for _ in range(10):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def test_fp8_gemv_time_next_to_bf16(capsys):
+    from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv
+
+    rows = []
+    for layer in ("8b.qkv", "8b.gate_up", "8b.down"):
+        k, n = LAYERS[layer]
+        x, w8, scale = operands(k, n, 1, None)
+        w16 = (w8.float() * scale).to(torch.bfloat16)
+        fp8_us = _time_us(lambda: fp8_gemv(x, w8, scale))
+        fp8_skinny_us = _time_us(lambda: gemv.gemv(x, w8, w_scale=scale))
+        bf16_us = _time_us(lambda: gemv.gemv(x, w16))
+        cublas_us = _time_us(lambda: torch.nn.functional.linear(x, w16))
+        rows.append(f"{layer} bs1: fp8 fp8_gemv.py {fp8_us:.1f} us, fp8 gemv.py {fp8_skinny_us:.1f} us "
+                    f"({n * k / fp8_skinny_us / 1e3:.0f} GB/s), bf16 gemv.py {bf16_us:.1f} us, "
+                    f"bf16 cuBLAS {cublas_us:.1f} us")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+    assert all("fp8" in r for r in rows)

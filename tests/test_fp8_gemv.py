@@ -1,0 +1,164 @@
+"""The FP8 matmuls against plain torch: the Triton skinny kernel (under TRITON_INTERPRET=1, in a child process),
+torch._scaled_mm with per-token activations (on the CPU), and the quantization arithmetic they share."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.layers.fp8_quant import FP8, dequantize, quantize_per_block, quantize_per_row, quantize_per_tensor
+from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
+from tests.triton_interpreter import interpreted_only as interpreted_only_marker
+
+interpreted_only = interpreted_only_marker("test_fp8_gemv_under_triton_interpreter")
+
+N, K = 72, 200   # neither a multiple of the kernel's BLOCK_N (16) nor of the tiles below
+
+
+def torch_reference(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block, bias) -> torch.Tensor:
+    """x @ (w8 * scale).T in float64, the scale expanded by indexing (not by the code under test)."""
+    w = w8.double()
+    if block is None:
+        w = w * scale.double().reshape(-1, 1)
+    else:
+        rows = torch.arange(w.shape[0]) // block[0]
+        cols = torch.arange(w.shape[1]) // block[1]
+        w = w * scale.double()[rows][:, cols]
+    out = x.double() @ w.T
+    return out if bias is None else out + bias.double()
+
+
+def operands(m: int, dtype: torch.dtype, block, seed: int, with_bias: bool):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, K, generator=g).to(dtype)
+    w = torch.randn(N, K, generator=g) * 0.05
+    w8, scale = quantize_per_row(w) if block is None else quantize_per_block(w, block)
+    bias = torch.randn(N, generator=g).to(dtype) if with_bias else None
+    return x, w8, scale, bias
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
+def test_fp8_gemv_under_triton_interpreter():
+    run_file_under_interpreter(__file__)
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (16, 32), (32, 64), (128, 128)], ids=str)
+@pytest.mark.parametrize("dtype,m,with_bias", [(torch.float32, 1, False), (torch.float32, 3, True),
+                                               (torch.bfloat16, 16, True), (torch.bfloat16, 5, False)])
+def test_fp8_gemv_kernel_matches_torch(block, dtype, m, with_bias):
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref
+
+    x, w8, scale, bias = operands(m, dtype, block, seed=m + (block[0] if block else 0), with_bias=with_bias)
+    got = fp8_gemv(x, w8, scale, block, bias)
+    assert got.dtype == dtype and got.shape == (m, N)
+    want = torch_reference(x, w8, scale, block, bias)
+    tol = 1e-4 if dtype == torch.float32 else 2e-2   # bf16: one rounding of outputs of magnitude ~1
+    assert (got.double() - want).abs().max().item() < tol
+    assert (fp8_gemv_ref(x, w8, scale, block, bias).double() - want).abs().max().item() < tol
+
+
+def test_quantizers_keep_every_value_within_half_an_fp8_step():
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 72, generator=g)
+    for w8, scale, block in [(*quantize_per_row(w), None), (*quantize_per_tensor(w), None),
+                             (*quantize_per_block(w, (16, 32)), (16, 32))]:
+        assert w8.dtype == FP8 and scale.dtype == torch.float32
+        back = dequantize(w8, scale, block)
+        # E4M3 keeps 3 mantissa bits: relative error at most 2^-4 for values in the normal range
+        assert ((back - w).abs() <= w.abs() / 16 + 1e-6).all()
+    _, row_scale = quantize_per_row(w)
+    assert row_scale.shape == (40, 1)
+    _, tile_scale = quantize_per_block(w, (16, 32))
+    assert tile_scale.shape == (3, 3)   # ceil(40 / 16), ceil(72 / 32)
+    assert quantize_per_tensor(w)[1].shape == ()
+
+
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_scaled_mm_path_matches_the_dequantized_reference(with_bias):
+    """The prefill-size CUDA path (per-token FP8 activations, torch._scaled_mm with row scales) on the CPU: within
+    the activation quantization's error of the float reference."""
+    from kestrel.layers.fp8 import scaled_mm_linear
+
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(33, 64, generator=g).to(torch.bfloat16)
+    w8, scale = quantize_per_row(torch.randn(48, 64, generator=g) * 0.05)
+    bias = torch.randn(48, generator=g).to(torch.bfloat16) if with_bias else None
+    got = scaled_mm_linear(x, w8, scale, bias)
+    want = torch_reference(x, w8, scale, None, bias)
+    assert got.dtype == torch.bfloat16
+    # x in FP8 per token: ~2^-4 relative per element, averaging over K = 64 terms
+    assert ((got.double() - want).abs().max() / want.abs().max()).item() < 0.03
+
+
+# -- kernels/triton/gemv.py with FP8 weights (row scales), and the method's routing ---------------------------------
+
+def _gemv_configs():
+    from kestrel.kernels.triton import gemv
+
+    return {"broadcast": gemv.GemvConfig(block_n=16, block_k=64, use_dot=False),
+            "dot-fold4": gemv.GemvConfig(block_n=4, block_k=64, use_dot=True),
+            "broadcast-whole-k": gemv.GemvConfig(block_n=4, block_k=256, use_dot=False, num_warps=8)}
+
+
+def _close(got: torch.Tensor, want: torch.Tensor) -> None:
+    # bf16: the reference rounds the weight to bf16 first, the kernel does not; two output ulps apart at most
+    tol = 1e-4 if got.dtype == torch.float32 else 2 ** -6 * want.abs().max().item()
+    assert got.dtype == want.dtype and (got.double() - want.double()).abs().max().item() < tol
+
+
+@interpreted_only
+@pytest.mark.parametrize("path", ["broadcast", "dot-fold4", "broadcast-whole-k"])
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 1), (torch.float32, 5), (torch.bfloat16, 3)])
+def test_skinny_kernels_take_fp8_weights_with_row_scales(path, dtype, m):
+    from kestrel.kernels.triton import gemv
+
+    config = _gemv_configs()[path]
+    x, w8, scale, bias = operands(m, dtype, None, seed=40 + m, with_bias=True)
+    w = dequantize(w8, scale).to(dtype)   # exact in float32; the bf16 case rounds the weight once
+    _close(gemv.gemv(x, w8, bias, config, w_scale=scale), gemv.gemv_ref(x, w, bias))
+    g = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, K, generator=g).to(dtype)
+    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    out, res = gemv.add_rms_norm_gemv(x, residual, norm_w, 1e-5, w8, bias, config, w_scale=scale)
+    want, want_res = gemv.add_rms_norm_gemv_ref(x, residual, norm_w, 1e-5, w, bias)
+    _close(out, want)
+    _close(res, want_res)   # the interpreter's bf16 add may differ from torch's by an ulp
+    gate_up = torch.randn(m, 2 * K, generator=g).to(dtype)
+    _close(gemv.silu_mul_gemv(gate_up, w8, bias, config, w_scale=scale), gemv.silu_mul_gemv_ref(gate_up, w, bias))
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (32, 32)], ids=["row", "block"])
+def test_fp8_method_runs_decode_rows_through_the_kernels(block):
+    """A decode-sized batch through an FP8 layer with the kernels (the CUDA choice) gives the reference's output,
+    norm folded in for row scales; a larger batch takes the reference."""
+    from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv
+    from kestrel.layers.fp8 import Fp8LinearMethod, Fp8Scheme, SkinnyFp8
+    from kestrel.layers.linear import MergedColumnParallelLinear
+    from kestrel.layers.norm import RMSNorm
+
+    scheme = Fp8Scheme(method="test", block=block)
+    calls = []
+
+    def counted(fn):
+        return lambda *a, **k: calls.append(fn.__name__) or fn(*a, **k)
+
+    fast = Fp8LinearMethod(scheme, small=counted(fp8_gemv), skinny=SkinnyFp8(
+        counted(gemv.gemv), counted(gemv.add_rms_norm_gemv), counted(gemv.silu_mul_gemv)))
+    ref = Fp8LinearMethod(scheme)
+    layers = [MergedColumnParallelLinear(64, [64, 64], method=method) for method in (fast, ref)]
+    g = torch.Generator().manual_seed(3)
+    for shard in (0, 1):
+        w8, scale = (quantize_per_row if block is None else lambda w: quantize_per_block(w, block))(
+            torch.randn(64, 64, generator=g) * 0.05)
+        for layer in layers:
+            layer.weight.weight_loader(layer.weight, w8, "w", shard_id=shard)
+            layer.weight_scale.weight_loader(layer.weight_scale, scale, "s", shard_id=shard)
+    norm = RMSNorm(64, 1e-5)
+    for rows in (2, 20):
+        x, residual = torch.randn(rows, 64, generator=g), torch.randn(rows, 64, generator=g)
+        got, got_res = layers[0].norm_forward(x, residual, norm)
+        want, want_res = layers[1].norm_forward(x, residual, norm)
+        assert (got - want).abs().max().item() < 1e-4 and torch.equal(got_res, want_res)
+    assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_gemv"])
