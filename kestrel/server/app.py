@@ -4,6 +4,9 @@
     GET  /metrics                Prometheus text, `kestrel:` namespace
     GET  /version                {"version"}
     GET  /v1/models              the served model
+    GET  /v1/loads               the load a router reads (running, waiting, KV tokens), SGLang's schema
+    GET  /server_info, /model_info (and /get_server_info, /get_model_info): what a router reads at registration
+                                 (server/router_info.py)
     POST /v1/completions         text completions, streamed or not
     POST /v1/chat/completions    chat completions, streamed or not
 
@@ -35,6 +38,7 @@ from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
 from kestrel.server.log_lines import StatsLogger
 from kestrel.frontend.first_token import FirstTokenTrace
+from kestrel.server import router_info
 from kestrel.server.metrics import CONTENT_TYPE, RECEIVED, ServerMetrics, StampReceived
 from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_body
 from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -68,6 +72,11 @@ class ServerState:
         self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue,
                                   in_thread=config.engine_in_thread)
         self.metrics = ServerMetrics(self.engine.stats, self.model_name)
+        self.identity = router_info.WorkerIdentity(
+            model_name=self.model_name, model_path=self.model_root,
+            tokenizer_path=engine_config.tokenizer or self.model_root, block_size=engine_config.block_size,
+            max_num_seqs=engine_config.max_num_seqs, tensor_parallel_size=engine_config.tensor_parallel_size)
+        self.throughput = router_info.ThroughputMeter()
         self._token_text: TokenText | None = None
 
     def token_text(self) -> TokenText:
@@ -136,6 +145,29 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         if state.engine.ready:
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/loads")
+    async def loads(request: Request, dp_rank: int | None = None) -> JSONResponse:
+        _check_auth(request, config.api_key)
+        if not state.engine.ready:   # 503, not 404: a router keeps asking (a 404 would mean "no such endpoint")
+            raise APIError(503, f"the model is not ready (phase {state.progress.phase})",
+                           "service_unavailable_error", code="not_ready")
+        stats = state.engine.stats()
+        rate = state.throughput.update(stats.generation_tokens_total if stats else 0)
+        return JSONResponse(router_info.loads_body(state.identity, state.engine.limits, stats, rate,
+                                                       state.engine.num_in_flight(), dp_rank))
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> dict:
+        _check_auth(request, config.api_key)
+        return router_info.server_info_body(state.identity, state.engine.limits if state.engine.ready else None)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> dict:
+        _check_auth(request, config.api_key)
+        return router_info.model_info_body(state.identity)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses={200: {"model": CompletionResponse, "description": "the completion; with `stream`, "
