@@ -25,7 +25,8 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stall-timeout", type=float, default=300.0,
                    help="seconds without a log line or /health progress that count as stalled (exit 4)")
     p.add_argument("--then", help="command to run once ready ({base_url} and $KESTREL_BASE_URL are set); the "
-                                  "server is stopped afterwards")
+                                  "server is stopped afterwards (with --replicas, {base_url} is the router and "
+                                  "{replica_urls} the replicas, comma-separated)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log-file", help="default: logs/NAME-TIMESTAMP.log")
     p.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines")

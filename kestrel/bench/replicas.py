@@ -205,7 +205,8 @@ def launch_replicas(cfg: ReplicaConfig, then: str | None, out: TextIO | None = N
         if outcome is not LaunchExit.READY:
             return outcome
         if then:
-            command = then.replace("{base_url}", replica_set.url)
+            command = then.replace("{base_url}", replica_set.url).replace("{replica_urls}",
+                                                                          ",".join(cfg.replica_urls))
             print(f"[launch] running: {command}", file=out)
             out.flush()
             code = subprocess.call(command, shell=True, env=child_environment(KESTREL_BASE_URL=replica_set.url))
