@@ -43,6 +43,10 @@ def test_loads_answer_in_sglangs_schema_with_the_engines_numbers(server):
     assert body["aggregate"]["total_reqs"] == entry["num_total_reqs"]
     # another rank than 0: no entry (Kestrel has one)
     assert httpx.get(f"{server.url}/v1/loads", params={"dp_rank": 1}).json()["loads"] == []
+    # the older routers' /get_load (sglang-router 0.3 sums num_tokens over the list)
+    legacy = httpx.get(f"{server.url}/get_load").json()
+    assert legacy == [{"dp_rank": 0, "num_reqs": entry["num_running_reqs"],
+                       "num_waiting_reqs": entry["num_waiting_reqs"], "num_tokens": entry["num_used_tokens"]}]
 
 
 def test_loads_count_requests_in_flight_and_return_to_idle(server):
@@ -84,7 +88,7 @@ def test_server_and_model_info_name_the_served_model_and_its_limits(server, chec
 
 def test_router_endpoints_need_the_api_key_when_one_is_set(checkpoint):
     with LiveServer(EngineConfig(model=str(checkpoint), device="cpu"), ServerConfig(api_key="sesame")) as s:
-        for path in ("/v1/loads", "/server_info", "/model_info"):
+        for path in ("/v1/loads", "/get_load", "/server_info", "/model_info"):
             assert httpx.get(s.url + path).status_code == 401
             assert httpx.get(s.url + path, headers={"Authorization": "Bearer sesame"}).status_code == 200
 

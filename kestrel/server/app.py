@@ -4,7 +4,8 @@
     GET  /metrics                Prometheus text, `kestrel:` namespace
     GET  /version                {"version"}
     GET  /v1/models              the served model
-    GET  /v1/loads               the load a router reads (running, waiting, KV tokens), SGLang's schema
+    GET  /v1/loads               the load a router reads (running, waiting, KV tokens), SGLang's schema; /get_load:
+                                 the older routers' form
     GET  /server_info, /model_info (and /get_server_info, /get_model_info): what a router reads at registration
                                  (server/router_info.py)
     POST /v1/completions         text completions, streamed or not
@@ -149,13 +150,18 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     @app.get("/v1/loads")
     async def loads(request: Request, dp_rank: int | None = None) -> JSONResponse:
         _check_auth(request, config.api_key)
-        if not state.engine.ready:   # 503, not 404: a router keeps asking (a 404 would mean "no such endpoint")
-            raise APIError(503, f"the model is not ready (phase {state.progress.phase})",
-                           "service_unavailable_error", code="not_ready")
+        _check_ready(state)
         stats = state.engine.stats()
         rate = state.throughput.update(stats.generation_tokens_total if stats else 0)
         return JSONResponse(router_info.loads_body(state.identity, state.engine.limits, stats, rate,
                                                        state.engine.num_in_flight(), dp_rank))
+
+    @app.get("/get_load")
+    async def legacy_load(request: Request) -> JSONResponse:
+        _check_auth(request, config.api_key)
+        _check_ready(state)
+        return JSONResponse(router_info.legacy_load_body(state.identity, state.engine.limits, state.engine.stats(),
+                                                         state.engine.num_in_flight()))
 
     @app.get("/server_info")
     @app.get("/get_server_info")
@@ -262,6 +268,13 @@ def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
         loc = ".".join(str(p) for p in err["loc"])
         bad = f" (got {err['input']!r})" if loc and not isinstance(err.get("input"), (dict, list)) else ""
         raise APIError(400, f"{loc or 'body'}: {err['msg']}{bad}", param=loc.split(".")[0] or None) from None
+
+
+def _check_ready(state: ServerState) -> None:
+    """503 while the model loads: a router asks again later (a 404 would tell it the endpoint does not exist)."""
+    if not state.engine.ready:
+        raise APIError(503, f"the model is not ready (phase {state.progress.phase})", "service_unavailable_error",
+                       code="not_ready")
 
 
 def _check_auth(request: Request, api_key: str | None) -> None:

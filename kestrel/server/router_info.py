@@ -4,6 +4,8 @@ routers read (SGLang Model Gateway / `sglang-router`, and its successor Shepherd
     GET /server_info, /get_server_info   the served model and the limits: context length, KV capacity in tokens,
                                          the running-request cap, parallel sizes (smg turns them into labels)
     GET /model_info, /get_model_info     the checkpoint and tokenizer paths; a generative model
+    GET /get_load                        the older routers' form (sglang-router 0.3): [{dp_rank, num_reqs,
+                                         num_waiting_reqs, num_tokens}], num_tokens the token load they sum
     GET /v1/loads                        one load snapshot (one data-parallel rank: Kestrel has none) with the
                                          running and waiting requests, KV tokens used / capacity and their
                                          ratio, the prefix-cache hit rate, generation throughput
@@ -100,6 +102,14 @@ def loads_body(identity: WorkerIdentity, limits: EngineLimits, stats: EngineStat
             "avg_utilization": snapshot["utilization"],
         },
     }
+
+
+def legacy_load_body(identity: WorkerIdentity, limits: EngineLimits, stats: EngineStats | None,
+                     in_flight: int) -> list[dict]:
+    """GET /get_load: one entry per data-parallel rank, as SGLang answered before /v1/loads."""
+    snapshot = load_snapshot(identity, limits, stats, 0.0, in_flight)
+    return [{"dp_rank": 0, "num_reqs": snapshot["num_running_reqs"],
+             "num_waiting_reqs": snapshot["num_waiting_reqs"], "num_tokens": snapshot["num_used_tokens"]}]
 
 
 def server_info_body(identity: WorkerIdentity, limits: EngineLimits | None) -> dict:
