@@ -24,8 +24,8 @@ from typing import TextIO
 
 import httpx
 
-from kestrel.envs import child_environment
 from kestrel.bench.launch import LaunchConfig, LaunchExit, ServerProcess, wait_until_ready
+from kestrel.envs import child_environment
 
 ROUTERS = ("smg", "sglang-router", "none")
 
