@@ -81,7 +81,7 @@ def test_replica_commands_pin_gpu_groups_and_the_router_names_every_replica():
     assert replica_command(cfg, 1) == (("kestrel", "serve", "m", "--host", "127.0.0.1", "--port", "8002"),
                                        {"CUDA_VISIBLE_DEVICES": "2,3"})
     command = router_command(cfg)
-    assert command[1:] == ("launch", "--host", "127.0.0.1", "--port", "8000", "--worker-urls",
+    assert command[1:] == ("-m", "smg", "launch", "--host", "127.0.0.1", "--port", "8000", "--worker-urls",
                            "http://127.0.0.1:8001", "http://127.0.0.1:8002", "--policy", "cache_aware", "--x", "1")
     cpu = ReplicaConfig(serve_command=("kestrel", "serve"), replicas=2, replica_port=9000, router="sglang-router",
                         router_port=8999)

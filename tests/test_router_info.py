@@ -112,3 +112,21 @@ def test_throughput_is_tokens_per_second_between_polls():
     assert meter.update(100, now=10.0) == 0.0
     assert meter.update(300, now=12.0) == 100.0
     assert meter.update(400, now=12.1) == 100.0   # too close to the last poll: the previous rate
+
+
+def test_a_non_streamed_request_cut_by_shutdown_is_a_503_a_router_can_retry(checkpoint):
+    """SIGTERM aborts what is in flight; an answer not yet sent becomes a 503 (retryable) rather than a 200 cut short
+    with finish_reason "abort", which a router would pass on."""
+    live = LiveServer(EngineConfig(model=str(checkpoint), device="cpu"))
+    with live:
+        answer: list[httpx.Response] = []
+        request = threading.Thread(target=lambda: answer.append(httpx.post(
+            f"{live.url}/v1/completions", timeout=60,
+            json={"prompt": "def main(", "max_tokens": 200, "ignore_eos": True})))
+        request.start()
+        while live.engine.num_in_flight() == 0:
+            request.join(timeout=0.01)
+        live.server.request_exit()
+        request.join(timeout=30)
+    assert answer[0].status_code == 503, answer[0].text
+    assert answer[0].json()["error"]["code"] == "shutting_down"

@@ -4,13 +4,12 @@ Shepherd Model Gateway (PyPI `smg`, a Rust binary), on loopback, driven through 
 Skipped, with the reason, where smg is not installed or its binary does not run here."""
 from __future__ import annotations
 
-import shutil
+import importlib.util
 import socket
 import subprocess
 import sys
 import threading
 import time
-from pathlib import Path
 
 import httpx
 import openai
@@ -27,11 +26,10 @@ MODEL = "kestrel-tiny"
 
 def smg_problem() -> str | None:
     """Why smg cannot be used here (None: it can)."""
-    exe = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-    if not Path(exe).exists():
+    if importlib.util.find_spec("smg") is None:
         return "smg is not installed (pip install smg==1.13.0, pinned in requirements/test.txt)"
     try:
-        res = subprocess.run([exe, "--version"], capture_output=True, text=True, timeout=60)
+        res = subprocess.run([sys.executable, "-m", "smg", "--version"], capture_output=True, text=True, timeout=60)
     except (OSError, subprocess.SubprocessError) as exc:
         return f"smg does not run here: {exc}"
     if res.returncode != 0:   # e.g. a glibc older than its manylinux_2_17 wheel needs

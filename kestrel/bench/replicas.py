@@ -12,7 +12,6 @@ replicas, each SIGTERM then SIGKILL after the grace period.
 """
 from __future__ import annotations
 
-import shutil
 import signal
 import subprocess
 import sys
@@ -66,10 +65,11 @@ def replica_command(cfg: ReplicaConfig, index: int) -> tuple[tuple[str, ...], di
 
 
 def router_command(cfg: ReplicaConfig) -> tuple[str, ...]:
-    """smg: `smg launch`; sglang-router: `python -m sglang_router.launch_router` (the same flags)."""
+    """smg: `python -m smg launch`; sglang-router: `python -m sglang_router.launch_router` (the same flags). By
+    module, not by the `smg` command: sglang-router installs an `smg` command of its own, which wins when it is
+    installed last."""
     if cfg.router == "smg":
-        exe = shutil.which("smg") or str(Path(sys.executable).with_name("smg"))
-        head: tuple[str, ...] = (exe, "launch")
+        head: tuple[str, ...] = (sys.executable, "-m", "smg", "launch")
     else:
         head = (sys.executable, "-m", "sglang_router.launch_router")
     return (*head, "--host", cfg.host, "--port", str(cfg.router_port), "--worker-urls", *cfg.replica_urls,

@@ -249,6 +249,11 @@ async def _respond(request: Request, gen: Generation, stream: bool, stream_optio
         raise api_error_from(exc) from None
     if not finished:
         return Response(status_code=499)   # the client is gone; nobody reads this
+    if state.engine.shutting_down and any(c.finish_reason == "abort" for c in gen.choices):
+        # Nothing of the answer was sent yet: a 503 lets a router in front of replicas retry it on another one
+        # (a 200 cut short with finish_reason "abort" it would pass on as it is).
+        raise APIError(503, "the server is shutting down: the request was aborted before its answer was sent; "
+                       "retry it", "service_unavailable_error", code="shutting_down")
     return JSONResponse(fmt.response(gen, state.model_name, token_text, want_logprobs).model_dump())
 
 
