@@ -65,6 +65,10 @@ def add_parser(subparsers) -> None:
     s.add_argument("--base-url", default=os.environ.get(BASE_URL_ENV, DEFAULT_BASE_URL),
                    help=f"default ${BASE_URL_ENV} (set by kestrel launch --then), else {DEFAULT_BASE_URL}")
     s.add_argument("--model", help="default: the first model of /v1/models")
+    s.add_argument("--metrics-url", type=lambda t: tuple(u for u in t.split(",") if u), default=(),
+                   help="comma-separated server URLs whose /metrics are added up for the prefix-cache and "
+                   "speculation figures (the replicas behind a router: `kestrel launch --replicas` fills "
+                   "{replica_urls} in --then); default: --base-url")
     s.add_argument("--endpoint", default="completions", help="completions | chat")
     s.add_argument("--preset", help="single-and-peak | sweep")
     _add_dataset_args(s)
@@ -123,7 +127,8 @@ def run(args: argparse.Namespace) -> int:
                           burstiness=args.burstiness, duration_s=args.duration,
                           warmup_requests=args.warmup_requests, stream=not args.no_stream,
                           ignore_eos=not args.no_ignore_eos, slo=args.slo, seed=args.seed, label=args.label,
-                          timeout_s=args.timeout, progress=not args.no_progress)
+                          timeout_s=args.timeout, progress=not args.no_progress,
+                          metrics_urls=args.metrics_url)
         result = run_serve_benchmark(cfg, on_run=_print_run, on_note=lambda text: print(f"note: {text}",
                                                                                          file=sys.stderr))
     from kestrel.bench.report import summary_table, write_report, write_result

@@ -82,7 +82,7 @@ class ServerProcess:
     """The server command in its own process group, its output teed to `echo` and a log file."""
 
     def __init__(self, command: tuple[str, ...], log_file: str, echo: TextIO | None = None,
-                 keep_lines: int = 50) -> None:
+                 keep_lines: int = 50, env: dict[str, str] | None = None) -> None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
         self._log = open(log_file, "w", encoding="utf-8", errors="replace")
@@ -90,7 +90,8 @@ class ServerProcess:
         self.last_lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.last_output_time = time.monotonic()
         self.num_lines = 0
-        env = child_environment(PYTHONUNBUFFERED="1")   # log lines as they happen, not when a buffer fills
+        # PYTHONUNBUFFERED: log lines as they happen, not when a buffer fills; `env`: e.g. a replica's GPUs
+        env = child_environment(PYTHONUNBUFFERED="1", **(env or {}))
         try:
             self.proc = subprocess.Popen(list(command), stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL, start_new_session=True, env=env)

@@ -3,10 +3,12 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import logging
 import re
 from pathlib import Path
 
 from kestrel.bench.launch import LaunchConfig, LaunchExit, launch
+from kestrel.bench.replicas import ROUTERS, ReplicaConfig, launch_replicas
 from kestrel.errors import KestrelError
 
 EPILOG = "exit codes: " + ", ".join(f"{e.value} {e.name.lower().replace('_', ' ')}" for e in LaunchExit) + \
@@ -23,10 +25,27 @@ def add_parser(subparsers) -> None:
     p.add_argument("--stall-timeout", type=float, default=300.0,
                    help="seconds without a log line or /health progress that count as stalled (exit 4)")
     p.add_argument("--then", help="command to run once ready ({base_url} and $KESTREL_BASE_URL are set); the "
-                                  "server is stopped afterwards")
+                                  "server is stopped afterwards (with --replicas, {base_url} is the router and "
+                                  "{replica_urls} the replicas, comma-separated)")
     p.add_argument("--grace", type=float, default=10.0, help="seconds between SIGTERM and SIGKILL")
     p.add_argument("--log-file", help="default: logs/NAME-TIMESTAMP.log")
     p.add_argument("--status-interval", type=float, default=10.0, help="seconds between status lines")
+    rep = p.add_argument_group("replicas behind a router (docs/replicas.md)")
+    rep.add_argument("--replicas", type=int, default=1,
+                     help="start N copies of the server command (each with its own --port) and a router in front "
+                     "of them at --port; --then and the bench talk to the router")
+    rep.add_argument("--router", default="smg", choices=ROUTERS,
+                     help="the router: smg (`pip install smg`), sglang-router, or none (the replicas only)")
+    rep.add_argument("--policy", default="cache_aware",
+                     help="the router's --policy: cache_aware, round_robin, power_of_two, random, ...")
+    rep.add_argument("--replica-port", type=int, default=None,
+                     help="replica i listens on this port + i (default: --port + 1)")
+    rep.add_argument("--gpus-per-replica", type=int, default=0,
+                     help="give replica i GPUs [i*K, (i+1)*K) through CUDA_VISIBLE_DEVICES (0: no pinning, "
+                     "e.g. on the CPU)")
+    rep.add_argument("--router-arg", action="append", default=[], metavar="ARG",
+                     help="an extra argument for the router, repeatable (e.g. --router-arg=--cache-threshold "
+                     "--router-arg=0.5)")
     p.add_argument("server_command", nargs=argparse.REMAINDER, help="-- then the server command")
 
 
@@ -37,6 +56,19 @@ def command_port(command: list[str]) -> int | None:
         if m := re.fullmatch(r"--port=(\d+)", word):
             return int(m.group(1))
     return None
+
+
+def without_port(command: list[str]) -> list[str]:
+    """The command less its --port (each replica gets its own)."""
+    out, skip = [], False
+    for word in command:
+        if skip:
+            skip = False
+        elif word == "--port":
+            skip = True
+        elif not word.startswith("--port="):
+            out.append(word)
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -50,6 +82,19 @@ def run(args: argparse.Namespace) -> int:
                            "invalid: expected seconds > 0")
     name = args.name or Path(command[0]).name
     port = args.port or command_port(command) or 8000
+    if args.replicas < 1 or args.gpus_per_replica < 0:
+        raise KestrelError(f"--replicas {args.replicas} / --gpus-per-replica {args.gpus_per_replica} are invalid: "
+                           "expected >= 1 / >= 0")
+    if args.replicas > 1 or args.router_arg:
+        logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per readiness probe otherwise
+        cfg = ReplicaConfig(serve_command=tuple(without_port(command)), replicas=args.replicas,
+                            replica_port=args.replica_port or port + 1, router=args.router, router_port=port,
+                            policy=args.policy, router_args=tuple(args.router_arg),
+                            gpus_per_replica=args.gpus_per_replica, host=args.host,
+                            log_dir=str(Path(args.log_file).parent) if args.log_file else "logs",
+                            ready_timeout_s=args.ready_timeout, stall_timeout_s=args.stall_timeout,
+                            grace_s=args.grace)
+        return int(launch_replicas(cfg, args.then))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     cfg = LaunchConfig(command=tuple(command), base_url=f"http://{args.host}:{port}",
                        log_file=args.log_file or f"logs/{name}-{stamp}.log", ready_timeout_s=args.ready_timeout,

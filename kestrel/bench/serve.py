@@ -14,7 +14,7 @@ from kestrel.bench.datasets import (DEFAULT_INPUT_LEN, DEFAULT_OUTPUT_LEN, Bench
                                     build_requests, fixed_requests)
 from kestrel.bench.metrics import parse_slo, summarize
 from kestrel.bench.server_info import (environment, first_model, model_root, prefix_cache_stats, scrape_metrics,
-                                       server_info, spec_decode_stats)
+                                       scrape_metrics_sum, server_info, spec_decode_stats)
 from kestrel.bench.tokenizer import BenchTokenizer, load_tokenizer
 from kestrel.config import DEFAULT_MODEL_DIR
 from kestrel.errors import KestrelError
@@ -49,6 +49,7 @@ class ServeConfig:
     label: str | None = None
     timeout_s: float = 600.0
     progress: bool = True
+    metrics_urls: tuple[str, ...] = ()     # servers whose /metrics are summed (replicas behind a router)
 
     def __post_init__(self) -> None:
         if self.preset not in (None, *PRESETS):
@@ -117,11 +118,13 @@ def _run_one(cfg: ServeConfig, api: ApiOptions, spec: RunSpec, tokenizer: BenchT
     # Warm up on the fixed prompts, not on the run's own: a warmed-up prompt would be a prefix-cache hit.
     warm = fixed_requests(spec.requests[0].output_len, cfg.warmup_requests)
     asyncio.run(warmup(api, warm, cfg.warmup_requests, spec.concurrency))
-    before = scrape_metrics(cfg.base_url)
+    scrape = (lambda: scrape_metrics_sum(cfg.metrics_urls)) if cfg.metrics_urls else \
+        (lambda: scrape_metrics(cfg.base_url))
+    before = scrape()
     records, duration = asyncio.run(run_load(api, spec.requests, spec.concurrency, spec.request_rate,
                                              cfg.burstiness, cfg.duration_s, tokenizer, cfg.seed, cfg.progress,
                                              spec.name))
-    after = scrape_metrics(cfg.base_url)
+    after = scrape()
     rows = [r.to_dict() for r in records]
     return {"name": spec.name, "concurrency": spec.concurrency,
             "request_rate": None if math.isinf(spec.request_rate) else spec.request_rate,

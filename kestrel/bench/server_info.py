@@ -119,6 +119,19 @@ def at_position(name: str, position: int) -> str:
     return f'{name}{{position="{position}"}}'
 
 
+def scrape_metrics_sum(urls: tuple[str, ...], timeout_s: float = 10.0) -> dict[str, float] | None:
+    """The counters of several servers added up (the replicas behind a router, which has no /metrics of theirs);
+    None when none answers."""
+    scrapes = [m for m in (scrape_metrics(url, timeout_s) for url in urls) if m is not None]
+    if not scrapes:
+        return None
+    total: dict[str, float] = {}
+    for scrape in scrapes:
+        for name, value in scrape.items():
+            total[name] = total.get(name, 0.0) + value
+    return total
+
+
 def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> dict[str, float] | None:
     try:
         resp = httpx.get(base_url.rstrip("/") + "/metrics", timeout=timeout_s)

@@ -240,6 +240,11 @@ class AsyncEngine:
     def num_in_flight(self) -> int:
         return len(self._streams)
 
+    @property
+    def shutting_down(self) -> bool:
+        """SIGTERM arrived: new requests are refused and those in flight aborted."""
+        return self._stopping
+
     def begin_shutdown(self) -> None:
         """Refuse new requests and finish every request in flight with "abort" (SIGTERM)."""
         self._stopping = True

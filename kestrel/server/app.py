@@ -4,6 +4,10 @@
     GET  /metrics                Prometheus text, `kestrel:` namespace
     GET  /version                {"version"}
     GET  /v1/models              the served model
+    GET  /v1/loads               the load a router reads (running, waiting, KV tokens), SGLang's schema; /get_load:
+                                 the older routers' form
+    GET  /server_info, /model_info (and /get_server_info, /get_model_info): what a router reads at registration
+                                 (server/router_info.py)
     POST /v1/completions         text completions, streamed or not
     POST /v1/chat/completions    chat completions, streamed or not
 
@@ -35,6 +39,7 @@ from kestrel.frontend.async_engine import AsyncEngine
 from kestrel.server import chat, completions
 from kestrel.server.log_lines import StatsLogger
 from kestrel.frontend.first_token import FirstTokenTrace
+from kestrel.server import router_info
 from kestrel.server.metrics import CONTENT_TYPE, RECEIVED, ServerMetrics, StampReceived
 from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_body
 from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
@@ -68,6 +73,11 @@ class ServerState:
         self.engine = AsyncEngine(engine_config, self.progress, max_queue=config.max_queue,
                                   in_thread=config.engine_in_thread)
         self.metrics = ServerMetrics(self.engine.stats, self.model_name)
+        self.identity = router_info.WorkerIdentity(
+            model_name=self.model_name, model_path=self.model_root,
+            tokenizer_path=engine_config.tokenizer or self.model_root, block_size=engine_config.block_size,
+            max_num_seqs=engine_config.max_num_seqs, tensor_parallel_size=engine_config.tensor_parallel_size)
+        self.throughput = router_info.ThroughputMeter()
         self._token_text: TokenText | None = None
 
     def token_text(self) -> TokenText:
@@ -136,6 +146,34 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         if state.engine.ready:
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
+
+    @app.get("/v1/loads")
+    async def loads(request: Request, dp_rank: int | None = None) -> JSONResponse:
+        _check_auth(request, config.api_key)
+        _check_ready(state)
+        stats = state.engine.stats()
+        rate = state.throughput.update(stats.generation_tokens_total if stats else 0)
+        return JSONResponse(router_info.loads_body(state.identity, state.engine.limits, stats, rate,
+                                                       state.engine.num_in_flight(), dp_rank))
+
+    @app.get("/get_load")
+    async def legacy_load(request: Request) -> JSONResponse:
+        _check_auth(request, config.api_key)
+        _check_ready(state)
+        return JSONResponse(router_info.legacy_load_body(state.identity, state.engine.limits, state.engine.stats(),
+                                                         state.engine.num_in_flight()))
+
+    @app.get("/server_info")
+    @app.get("/get_server_info")
+    async def server_info(request: Request) -> dict:
+        _check_auth(request, config.api_key)
+        return router_info.server_info_body(state.identity, state.engine.limits if state.engine.ready else None)
+
+    @app.get("/model_info")
+    @app.get("/get_model_info")
+    async def model_info(request: Request) -> dict:
+        _check_auth(request, config.api_key)
+        return router_info.model_info_body(state.identity)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
               responses={200: {"model": CompletionResponse, "description": "the completion; with `stream`, "
@@ -211,6 +249,11 @@ async def _respond(request: Request, gen: Generation, stream: bool, stream_optio
         raise api_error_from(exc) from None
     if not finished:
         return Response(status_code=499)   # the client is gone; nobody reads this
+    if state.engine.shutting_down and any(c.finish_reason == "abort" for c in gen.choices):
+        # Nothing of the answer was sent yet: a 503 lets a router in front of replicas retry it on another one
+        # (a 200 cut short with finish_reason "abort" it would pass on as it is).
+        raise APIError(503, "the server is shutting down: the request was aborted before its answer was sent; "
+                       "retry it", "service_unavailable_error", code="shutting_down")
     return JSONResponse(fmt.response(gen, state.model_name, token_text, want_logprobs).model_dump())
 
 
@@ -230,6 +273,13 @@ def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
         loc = ".".join(str(p) for p in err["loc"])
         bad = f" (got {err['input']!r})" if loc and not isinstance(err.get("input"), (dict, list)) else ""
         raise APIError(400, f"{loc or 'body'}: {err['msg']}{bad}", param=loc.split(".")[0] or None) from None
+
+
+def _check_ready(state: ServerState) -> None:
+    """503 while the model loads: a router asks again later (a 404 would tell it the endpoint does not exist)."""
+    if not state.engine.ready:
+        raise APIError(503, f"the model is not ready (phase {state.progress.phase})", "service_unavailable_error",
+                       code="not_ready")
 
 
 def _check_auth(request: Request, api_key: str | None) -> None:
