@@ -15,7 +15,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                                    "report acceptance rate, acceptance length and per-position acceptance.")
     p.add_argument("--target", "--model", dest="target", default=None,
                    help="target checkpoint directory, .gguf file or short name (default: the default model)")
-    p.add_argument("--draft", default=None, help="EAGLE-3 drafter directory (method eagle3)")
+    p.add_argument("--draft", default=None,
+                   help="EAGLE-3 drafter directory (method eagle3; the default model's own when measuring it)")
     p.add_argument("--method", default="eagle3", choices=["eagle3", "ngram"], help="what drafts")
     p.add_argument("--data", default=None,
                    help="JSONL prompts (as train-eagle3 reads them; default: instructions on held-out topics)")
@@ -29,8 +30,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.method == "eagle3" and not args.draft:
-        raise KestrelError("--method eagle3 needs --draft DIR (the drafter to measure)")
     if args.data is not None and not Path(args.data).is_file():
         raise KestrelError(f"{args.data} not found")
     from kestrel.train.data import instruction_prompts, load_prompts
