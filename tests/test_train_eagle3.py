@@ -209,3 +209,18 @@ def test_a_trained_drafter_serves_with_greedy_output_unchanged(tmp_path, code_pr
                           device="cpu", kv_cache_memory=2**26)
     assert ev.verify_steps > 0 and len(ev.per_position) == 3 and 1.0 <= ev.acceptance_length <= 4.0
     assert ev.acceptance_length == pytest.approx(1 + sum(ev.per_position))
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train-eagle3", "--output", "x", "--data", "/no/such.jsonl"], "/no/such.jsonl not found"),
+    (["train-eagle3", "--output", "x", "--samples-per-prompt", "2"], "needs --gen-temperature > 0"),
+    (["train-eagle3", "--output", "x", "--epochs", "0"], "--epochs must be at least 1"),
+    (["train-eagle3", "--output", "x", "--time-limit", "0"], "--time-limit must be positive"),
+    (["eval-drafter", "--target", "/no/such/model"], "eagle3 needs the drafter's directory"),
+])
+def test_cli_refuses_bad_options_with_one_line(argv, message, capsys):
+    from kestrel.cli import main
+
+    assert main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: ") and message in err and "\n" not in err
