@@ -144,12 +144,16 @@ def measure(model: str, device: str, port: int, prompt_len: int, requests: int, 
             "ttft_ms": [round(1000 * t, 2) for t in ttfts], "caches": "fresh (" + ", ".join(CACHE_VARIABLES) + ")"}
 
 
+def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:
+    """(this script's arguments, the `kestrel serve` flags after a `--`)."""
+    if "--" not in argv:
+        return argv, []
+    at = argv.index("--")
+    return argv[:at], argv[at + 1:]
+
+
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    serve_args: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, serve_args = argv[:at], argv[at + 1:]
+    argv, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("model")
     ap.add_argument("--device", default="auto")

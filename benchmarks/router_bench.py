@@ -20,35 +20,15 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
-import socket
 import sys
 from pathlib import Path
 
 from kestrel.bench.datasets import DatasetConfig
-from kestrel.bench.replicas import ReplicaConfig, ReplicaSet
+from kestrel.bench.replicas import ReplicaConfig, ReplicaSet, free_port_block
 from kestrel.bench.serve import ServeConfig, run_serve_benchmark
 from kestrel.bench.server_info import environment, scrape_metrics
 
 RESULTS = Path(__file__).resolve().parent / "results"
-
-
-def free_port_block(n: int) -> int:
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        socks = []
-        try:
-            for port in range(base, base + n):
-                socks.append(socket.socket())
-                socks[-1].bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no block of free ports")
 
 
 def run_policy(policy: str, args: argparse.Namespace, serve_flags: list[str]) -> dict:

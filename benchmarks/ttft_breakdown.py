@@ -28,7 +28,7 @@ from pathlib import Path
 
 import httpx
 
-from benchmarks.cold_start import connect, kestrel_serve, streamed_ttft
+from benchmarks.cold_start import connect, kestrel_serve, split_serve_args, streamed_ttft
 from kestrel.bench.datasets import DatasetConfig, build_requests
 from kestrel.bench.tokenizer import load_tokenizer
 from kestrel.frontend.first_token import STAGE_NAMES
@@ -101,11 +101,7 @@ def table(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    serve_args: list[str] = []
-    if "--" in argv:
-        at = argv.index("--")
-        argv, serve_args = argv[:at], argv[at + 1:]
+    argv, serve_args = split_serve_args(sys.argv[1:] if argv is None else argv)
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--model", help="checkpoint to serve (default: the default model, models/kestrel-tiny)")
     ap.add_argument("--base-url", help="measure this running server instead of starting one")

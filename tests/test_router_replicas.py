@@ -5,7 +5,6 @@ Skipped, with the reason, where smg is not installed or its binary does not run 
 from __future__ import annotations
 
 import importlib.util
-import socket
 import subprocess
 import sys
 import threading
@@ -16,7 +15,7 @@ import openai
 import pytest
 
 from kestrel.bench.launch import LaunchExit
-from kestrel.bench.replicas import ReplicaConfig, ReplicaSet, router_healthy_workers
+from kestrel.bench.replicas import ReplicaConfig, ReplicaSet, free_port_block, router_healthy_workers
 from tests.test_server import metric
 
 pytestmark = pytest.mark.timeout(900)
@@ -37,27 +36,6 @@ def smg_problem() -> str | None:
     return None
 
 
-def free_ports(n: int) -> int:
-    """A base port with n consecutive free ports above it (router first, then the replicas)."""
-    for _ in range(200):
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            base = s.getsockname()[1]
-        if base + n >= 65535:
-            continue
-        try:
-            socks = []
-            for port in range(base, base + n):
-                sock = socket.socket()
-                socks.append(sock)
-                sock.bind(("127.0.0.1", port))
-            return base
-        except OSError:
-            continue
-        finally:
-            for sock in socks:
-                sock.close()
-    raise RuntimeError("no block of free ports")
 
 
 @pytest.fixture(scope="module")
@@ -65,7 +43,7 @@ def replicas(tmp_path_factory):
     problem = smg_problem()
     if problem:
         pytest.skip(problem)
-    base = free_ports(3)
+    base = free_port_block(3)
     cfg = ReplicaConfig(
         serve_command=(sys.executable, "-m", "kestrel.cli", "serve", "--disable-log-requests",
                        "--disable-log-stats"),

@@ -13,6 +13,7 @@ replicas, each SIGTERM then SIGKILL after the grace period.
 from __future__ import annotations
 
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -52,6 +53,28 @@ class ReplicaConfig:
     @property
     def router_url(self) -> str:
         return f"http://{self.host}:{self.router_port}"
+
+
+def free_port_block(n: int) -> int:
+    """A base port with n consecutive free ports from it (the router's, then the replicas'), on loopback."""
+    for _ in range(200):
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            base = s.getsockname()[1]
+        if base + n >= 65535:
+            continue
+        socks: list[socket.socket] = []
+        try:
+            for port in range(base, base + n):
+                socks.append(socket.socket())
+                socks[-1].bind(("127.0.0.1", port))
+            return base
+        except OSError:
+            continue
+        finally:
+            for sock in socks:
+                sock.close()
+    raise RuntimeError("no block of free ports")
 
 
 def replica_command(cfg: ReplicaConfig, index: int) -> tuple[tuple[str, ...], dict[str, str]]:
