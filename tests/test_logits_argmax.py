@@ -55,3 +55,18 @@ def test_refuses_a_vocabulary_beyond_its_chunks():
     logits = torch.zeros(1, MAX_CHUNKS * BLOCK + 1)
     with pytest.raises(AssertionError, match="vocabulary"):
         logits_argmax(logits, torch.zeros(1, dtype=torch.int64), alloc_argmax_scratch(1, torch.device("cpu")))
+
+
+@interpreted
+def test_writes_into_rows_of_a_shared_buffer():
+    from kestrel.kernels.triton.logits_argmax import BLOCK, alloc_argmax_scratch, logits_argmax
+    vocab = 2 * BLOCK + 7
+    shared = torch.full((6, vocab), float("nan"))   # as DecodeGraphs' buffer: each launch writes its first rows
+    scratch = alloc_argmax_scratch(6, torch.device("cpu"))
+    for rows in (6, 2):
+        logits = torch.randn(rows, vocab).to(torch.bfloat16)
+        tokens = torch.zeros(rows, dtype=torch.int64)
+        out = logits_argmax(logits, tokens, scratch, shared[:rows])
+        assert out.data_ptr() == shared.data_ptr()
+        torch.testing.assert_close(shared[:rows], logits.float(), rtol=0, atol=0)
+        assert tokens.tolist() == torch.argmax(logits.float(), dim=-1).tolist()

@@ -57,6 +57,12 @@ def test_a_linear_method_is_called_on_eager_decode_graph_and_prefill_graph_steps
     assert roads == {"eager", "decode_graph", "prefill_graph"}, roads
     # the decode graph's body runs on its padded bucket; the prefill graph's on its padded token count
     assert {rows for road, rows in stub.calls if road == "prefill_graph"} <= {16, 32}
+    # every bucket's logits are rows of one [max_bs, vocab] float32 buffer: a graph keeps its outputs alive, so
+    # per-bucket logits would hold sum(buckets) rows of the vocabulary (CUDA graph memory)
+    graphs = runner.graphs
+    assert len(graphs.outputs) >= 2, graphs.outputs.keys()
+    assert graphs.logits_buffer.shape == (4, runner.cfg.vocab_size) and graphs.logits_buffer.dtype == torch.float32
+    assert {out.logits.data_ptr() for out in graphs.outputs.values()} == {graphs.logits_buffer.data_ptr()}
 
 
 def test_every_road_returns_the_hidden_states_of_the_chosen_layers(checkpoint_factory):

@@ -149,6 +149,7 @@ class DecodeGraphs:
             self.block_table = torch.zeros(max_bs, max_blocks_per_seq, dtype=torch.int64, device=device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, ForwardOutput] = {}
+        self.logits_buffer: torch.Tensor | None = None   # [max_bs * Q, vocab] float32, shared by every bucket
         self.pool = None
         self.memory_bytes = 0
         self.row_of: dict[int, _RowState] = {}
@@ -178,12 +179,23 @@ class DecodeGraphs:
         tokens = self._view("prev_tokens", n)
         if self.argmax_scratch is not None:
             out = self.runner.forward(batch, float_logits=False)
-            out.logits = self._logits_argmax(out.logits, tokens, self.argmax_scratch)
+            out.logits = self._logits_argmax(out.logits, tokens, self.argmax_scratch, self._logits_rows(out.logits, n))
         else:
             out = self.runner.forward(batch)
             torch.argmax(out.logits, dim=-1, out=tokens)
+            out.logits = self._logits_rows(out.logits, n).copy_(out.logits)
         out.tokens = tokens
         return out
+
+    def _logits_rows(self, logits: torch.Tensor, n: int) -> torch.Tensor:
+        """The first n rows of the float32 logits buffer that every bucket's graph writes. A graph's outputs stay
+        allocated for as long as the graph lives, so per-bucket logits would cost sum(buckets) x vocab x 4 bytes
+        (1.1 GiB at a 128k vocabulary and max bs 256); one shared buffer costs max_bs x Q rows, and is just as
+        valid: a launch's logits were only ever good until the next launch (see `launch`)."""
+        if self.logits_buffer is None:   # first made by the largest bucket's warm-up, outside any capture
+            self.logits_buffer = torch.empty(self.max_bs * self.query_len, logits.shape[-1], dtype=torch.float32,
+                                             device=logits.device)
+        return self.logits_buffer[:n]
 
     @torch.inference_mode()
     def capture(self, progress: Progress | None = None) -> None:
@@ -401,8 +413,11 @@ def capture_graphs(runner, config: EngineConfig, max_model_len: int, progress: P
         logger.exception("prefill graph capture failed; prefilling eagerly")
         prefill.buckets = []
     torch.cuda.synchronize()
-    # The graphs' memory is what the caching allocator reserved for them (their shared pool and the warm-up's
-    # buffers); the device-wide figure also counts what CUDA itself took (cuBLAS workspaces, kernel modules).
+    # The capture warm-ups' eager steps leave freed blocks cached in the allocator's ordinary pool; hand them back
+    # so that what stays reserved is what the graphs hold (their shared pool and the static buffers).
+    torch.cuda.empty_cache()
+    # The graphs' memory is what the caching allocator reserved for them; the device-wide figure also counts what
+    # CUDA itself took (cuBLAS workspaces, kernel modules).
     decode.memory_bytes = max(0, torch.cuda.memory_reserved() - reserved_before)
     device_bytes = max(0, free_before - torch.cuda.mem_get_info()[0])
     logger.info("captured %d decode graphs (batch sizes %s) and %d prefill graphs (tokens %s) in %.1f s; "

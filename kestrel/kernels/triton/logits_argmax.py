@@ -72,9 +72,11 @@ def _logits_argmax_kernel(
         tl.store(counter_ptr + row, 0)
 
 
-def logits_argmax(logits: torch.Tensor, tokens: torch.Tensor, scratch: ArgmaxScratch) -> torch.Tensor:
-    """logits [rows, V] (any float dtype, unit last stride) -> float32 copy [rows, V]; tokens [rows] int64 receive
-    each row's argmax. Launches sharing `scratch` must be stream-ordered (each leaves the counters at 0)."""
+def logits_argmax(logits: torch.Tensor, tokens: torch.Tensor, scratch: ArgmaxScratch,
+                  out: torch.Tensor | None = None) -> torch.Tensor:
+    """logits [rows, V] (any float dtype, unit last stride) -> float32 copy [rows, V] (into `out` when given, e.g.
+    a buffer every graph bucket shares); tokens [rows] int64 receive each row's argmax. Launches sharing `scratch`
+    must be stream-ordered (each leaves the counters at 0)."""
     rows, vocab = logits.shape
     part_max, part_idx, counters = scratch
     num_chunks = triton.cdiv(vocab, BLOCK)
@@ -82,7 +84,9 @@ def logits_argmax(logits: torch.Tensor, tokens: torch.Tensor, scratch: ArgmaxScr
     assert num_chunks <= MAX_CHUNKS, f"vocabulary {vocab} above {MAX_CHUNKS * BLOCK}"
     assert counters.shape[0] >= rows and part_max.shape[0] >= rows, f"scratch holds fewer than {rows} rows"
     assert tokens.dtype == torch.int64 and tokens.shape == (rows,), "tokens: [rows] int64"
-    out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    if out is None:
+        out = torch.empty(rows, vocab, dtype=torch.float32, device=logits.device)
+    assert out.shape == (rows, vocab) and out.dtype == torch.float32 and out.stride(-1) == 1, "out: [rows, V] fp32"
     if rows == 0:
         return out
     _logits_argmax_kernel[(rows, num_chunks)](
