@@ -17,7 +17,7 @@ import traceback
 logger = logging.getLogger("kestrel.startup")
 
 PHASES = ("starting_ranks", "resolving_model", "loading_weights", "loading_drafter", "compiling_kernels", "allocating_kv_cache", "capturing_cuda_graphs",
-          "warming_up", "ready")
+          "warming_up", "loading_tokenizer", "ready")
 
 
 def _fmt(value: float, unit: str) -> str:

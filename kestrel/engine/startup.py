@@ -29,7 +29,7 @@ from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.model_config import ModelConfig
 from kestrel.models.quantization import checkpoint_modules, fp8_scheme
 from kestrel.models.registry import model_class
-from kestrel.models.tokenizer import Tokenizer
+from kestrel.models.tokenizer import BackgroundTokenizer, Tokenizer
 from kestrel.progress import Progress, child_cpu_progress
 
 logger = logging.getLogger("kestrel.loading")   # kestrel.startup is the phase tracker (progress.py)
@@ -87,7 +87,7 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
         raise ModelLoadError(f"model directory {path} does not exist (Kestrel loads local HF checkpoints "
                              "and .gguf files)")
     cfg = load_model_config(path)
-    tokenizer = Tokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
+    tokenizer = BackgroundTokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
     device = resolve_device(config.device)
     if device.type == "cuda" and tp.size > 1:
         device = torch.device("cuda", tp.local_rank)
@@ -180,7 +180,9 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
 
     progress.begin("warming_up")
     warm_up(runner, config.block_size)
-    return RunnerSetup(runner, cfg, tokenizer, num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
+    if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
+        progress.begin("loading_tokenizer")
+    return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
 
 
 def select_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:

@@ -6,7 +6,7 @@
                                                                   Engine(config, ForwardedProgress), step loop
     startup reader thread ◄── events Pipe ◄─────────────────── send(event)
       ├─ ("progress", ...) → StartupProgress, then ("ack",) ─► (startup waits for each ack)
-      └─ ("ready", ...) → loads the Tokenizer, hands the Pipe to the event loop, ends
+      └─ ("ready", ...) → takes the Tokenizer (loading on a thread since start), hands the Pipe to the event loop
     event loop: add_reader(events Pipe) → on_event(("step", ...)), one message per engine step
     stall watchdog ── "stacks" ─── stacks Pipe (duplex) ─────► thread "kestrel-stacks": format_all_stacks()
     EOF on the events Pipe without a stop ──► ("exited", exit code): in-flight requests fail, /health: failed
@@ -52,19 +52,33 @@ def _post(loop: asyncio.AbstractEventLoop, on_event: OnEvent, event: tuple) -> N
         pass
 
 
-def _with_tokenizer(config: EngineConfig, event: tuple) -> tuple:
-    """("ready", limits, model_eos_ids, stats) -> ("ready", limits, Tokenizer, stats): the server encodes and
-    decodes with its own copy, loaded from the model directory like the engine's. ("start_failed", why) if that
-    fails: the server cannot serve without it."""
-    from kestrel.models.tokenizer import Tokenizer
+class TokenizerLoad:
+    """The server's own tokenizer, loaded on a thread from the moment the engine starts, so that loading it (seconds
+    for a large vocabulary) overlaps the engine's startup instead of following it."""
 
-    _, limits, eos_ids, stats = event
-    path = Path(config.tokenizer) if config.tokenizer else config.model_path
-    try:
-        return ("ready", limits, Tokenizer(path, eos_ids), stats)
-    except Exception as exc:   # noqa: BLE001
-        logger.exception("loading the tokenizer failed")
-        return ("start_failed", f"{type(exc).__name__}: {exc}")
+    def __init__(self, config: EngineConfig) -> None:
+        from kestrel.models.tokenizer import BackgroundTokenizer
+
+        self.path = Path(config.tokenizer) if config.tokenizer else config.model_path
+        try:
+            self._load: BackgroundTokenizer | Exception = BackgroundTokenizer(self.path)
+        except Exception as exc:   # noqa: BLE001 - the engine reports a missing model first; this, if it starts
+            self._load = exc
+
+    def with_tokenizer(self, event: tuple) -> tuple:
+        """("ready", limits, model_eos_ids, stats) -> ("ready", limits, Tokenizer, stats): the server encodes and
+        decodes with its own copy, loaded from the model directory like the engine's. ("start_failed", why) if that
+        failed: the server cannot serve without it."""
+        _, limits, eos_ids, stats = event
+        try:
+            if isinstance(self._load, Exception):
+                raise self._load
+            tokenizer = self._load.result()
+        except Exception as exc:   # noqa: BLE001
+            logger.error("loading the tokenizer from %s failed: %s", self.path, exc)
+            return ("start_failed", f"{type(exc).__name__}: {exc}")
+        tokenizer.eos_token_ids |= set(eos_ids)   # the model config's, as the engine's copy has them
+        return ("ready", limits, tokenizer, stats)
 
 
 # ---- engine process ----------------------------------------------------------------------------------------------
@@ -83,8 +97,10 @@ class EngineProcess:
         self._send_lock = threading.Lock()    # the event loop and the reader (acks) both send commands
         self._stacks_lock = threading.Lock()
         self._reader: threading.Thread | None = None
+        self._tokenizer: TokenizerLoad | None = None
 
     def start(self) -> None:
+        self._tokenizer = TokenizerLoad(self.config)
         ctx = multiprocessing.get_context("spawn")
         child_commands, self._commands = ctx.Pipe(duplex=False)   # (receiving end, sending end)
         self._events, child_events = ctx.Pipe(duplex=False)
@@ -161,7 +177,7 @@ class EngineProcess:
                 self.send(("ack",))
                 continue
             if kind == "ready":
-                event = _with_tokenizer(self.config, event)
+                event = self._tokenizer.with_tokenizer(event)
                 if event[0] == "ready":   # from now on the event loop reads the Pipe
                     _post(self.loop, self._read_on_loop_from_now, event)
                     return
@@ -304,8 +320,10 @@ class EngineThread:
         self.pid = None
         self._commands = _QueueCommands()
         self._thread: threading.Thread | None = None
+        self._tokenizer: TokenizerLoad | None = None
 
     def start(self) -> None:
+        self._tokenizer = TokenizerLoad(self.config)
         self._thread = threading.Thread(target=run_engine_core, name="kestrel-engine", daemon=True,
                                         args=(self.config, self.progress, self._commands, self._emit))
         self._thread.start()
@@ -328,7 +346,7 @@ class EngineThread:
 
     def _emit(self, event: tuple) -> None:
         if event[0] == "ready":
-            event = _with_tokenizer(self.config, event)
+            event = self._tokenizer.with_tokenizer(event)
             if event[0] == "start_failed":
                 self.send(("stop",))
         _post(self.loop, self.on_event, event)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import json
 import logging
+import threading
 from pathlib import Path
 
 from kestrel.errors import KestrelError, ModelLoadError
@@ -59,6 +60,37 @@ class Tokenizer:
             raise KestrelError(f"the chat template could not render these messages: {exc}") from None
         # The template writes BOS itself when it wants one.
         return self.encode(text, add_special_tokens=False)
+
+
+class BackgroundTokenizer:
+    """A Tokenizer loaded on a thread while startup does other work (building the model, loading weights):
+    a large vocabulary, and importing transformers, take seconds. The files' presence is checked at once, so a
+    directory with no tokenizer still fails before any weights are read."""
+
+    def __init__(self, path: Path, model_eos_ids: tuple[int, ...] = ()) -> None:
+        if path.suffix.lower() != ".gguf" and not (path / "tokenizer.json").is_file() \
+                and not (path / "tokenizer_config.json").is_file():
+            raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
+        self._args = (path, model_eos_ids)
+        self._result: Tokenizer | BaseException | None = None
+        self._thread = threading.Thread(target=self._load, name="kestrel-tokenizer-load", daemon=True)
+        self._thread.start()
+
+    def _load(self) -> None:
+        try:
+            self._result = Tokenizer(*self._args)
+        except BaseException as exc:   # noqa: BLE001 - raised again by result(), on the caller's thread
+            self._result = exc
+
+    @property
+    def done(self) -> bool:
+        return not self._thread.is_alive()
+
+    def result(self) -> Tokenizer:
+        self._thread.join()
+        if isinstance(self._result, BaseException):
+            raise self._result
+        return self._result
 
 
 class IncrementalDetokenizer:
