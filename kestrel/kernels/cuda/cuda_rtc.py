@@ -10,7 +10,9 @@ from __future__ import annotations
 import ctypes
 import functools
 import glob
+import hashlib
 import os
+import pickle
 import re
 import sys
 from dataclasses import dataclass
@@ -91,8 +93,43 @@ class Compiled:
 COMMON_HEADER = Path(__file__).with_name("kestrel_cuda.cuh")   # what the kernels share; #include "kestrel_cuda.cuh"
 
 
+def cache_dir() -> Path:
+    """Where compiled cubins are kept between runs (as Triton keeps its kernels): $XDG_CACHE_HOME/kestrel/nvrtc."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "nvrtc"
+
+
 def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> Compiled:
-    """Compile `source` for `arch` (e.g. "sm_90") with -D defines; raises with NVRTC's log on errors."""
+    """Compile `source` for `arch` (e.g. "sm_90") with -D defines, or take the cubin an earlier compile of the same
+    source, header, defines and NVRTC version left in cache_dir(); raises with NVRTC's log on errors."""
+    version = nvrtc_version()
+    key = hashlib.sha256(repr((source, COMMON_HEADER.read_text(), name, arch, sorted(defines.items()),
+                               version)).encode()).hexdigest()
+    path = cache_dir() / f"{name}-{key[:32]}.pkl"
+    try:
+        compiled = pickle.loads(path.read_bytes())
+        if isinstance(compiled, Compiled):
+            return compiled
+    except (OSError, pickle.UnpicklingError, EOFError, AttributeError, ValueError):
+        pass   # not cached (or unreadable): compile
+    compiled = _compile(source, name, arch, defines)
+    try:   # written whole, then renamed: a reader never sees half a file (other processes compile alongside)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(pickle.dumps(compiled))
+        os.replace(tmp, path)
+    except OSError:
+        pass   # a read-only home: compile again next time
+    return compiled
+
+
+def nvrtc_version() -> tuple[int, int]:
+    lib = nvrtc()
+    major, minor = ctypes.c_int(), ctypes.c_int()
+    _nvrtc_check(lib, lib.nvrtcVersion(ctypes.byref(major), ctypes.byref(minor)))
+    return major.value, minor.value
+
+
+def _compile(source: str, name: str, arch: str, defines: dict[str, int]) -> Compiled:
     lib = nvrtc()
     prog = ctypes.c_void_p()
     header = (ctypes.c_char_p * 1)(COMMON_HEADER.read_bytes())
