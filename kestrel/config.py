@@ -34,6 +34,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     disable_prefill_cuda_graph: bool = False  # graphs for a lone prompt chunk (TTFT: 8B 4.9 vs 25 ms on the H200)
     disable_overlap_schedule: bool = False   # graph decode: launch step N+1 before reading step N back
+    compile_workers: int = 4               # CUDA: processes compiling the kernels while the model loads; 0: none
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
     served_model_name: str | None = None
@@ -59,6 +60,8 @@ class EngineConfig:
         if not 0.05 <= self.gpu_memory_utilization <= 1.0:
             raise KestrelError(f"--gpu-memory-utilization {self.gpu_memory_utilization} is invalid: "
                                "expected a fraction in [0.05, 1]")
+        if self.compile_workers < 0:
+            raise KestrelError(f"--compile-workers {self.compile_workers} is invalid: expected >= 0")
         if self.max_num_seqs < 1:
             raise KestrelError(f"--max-num-seqs {self.max_num_seqs} is invalid: expected >= 1")
         if self.max_num_batched_tokens < self.block_size:
@@ -203,6 +206,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="largest decode batch captured in a CUDA graph; larger batches run eagerly")
     parser.add_argument("--disable-prefill-cuda-graph", action="store_true",
                         help="prefill eagerly: no graphs for single-prompt chunks of up to 512 tokens (higher TTFT)")
+    parser.add_argument("--compile-workers", type=int, default=4,
+                        help="CUDA: child processes that compile the model's kernels (into the on-disk caches) "
+                        "while the weights load, so a fresh machine starts sooner; 0 compiles in the engine alone")
     parser.add_argument("--disable-overlap-schedule", action="store_true",
                         help="read each decode step's tokens back before launching the next (SGLang's flag)")
     parser.add_argument("--attention-backend", choices=["triton", "flashinfer", "torch"], default=None,

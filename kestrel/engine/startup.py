@@ -20,11 +20,12 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import SINGLE, TPGroup
+from kestrel.engine.compile_ahead import start_compile_ahead
 from kestrel.forward.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
-from kestrel.layers.ops import choose_layer_ops
+from kestrel.layers.ops import LayerOps, choose_layer_ops
 from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.model_config import ModelConfig
 from kestrel.models.quantization import checkpoint_modules, fp8_scheme
@@ -104,24 +105,9 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                 str(dtype).removeprefix("torch."), f", tensor-parallel rank {tp.rank} of {tp.size}" if tp.size > 1
                 else "")
 
-    backend = select_attention_backend(config, device)
-    ops = choose_layer_ops(device, backend)
-    fp8 = fp8_scheme(cfg.quantization_config, config.quantization, path)
+    ahead = start_compile_ahead(config, cfg, device, tp, max_model_len)
     torch.manual_seed(config.seed)
-    with torch.device(device):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            # An FP8 model's linear layers are built FP8 (never float first); those its checkpoint leaves float
-            # get their float weights back before loading.
-            model = model_class(cfg)(cfg, with_fp8(ops, fp8, device) if fp8 else ops, tp)
-            if fp8 is not None:
-                kept = keep_float(model, fp8, checkpoint_modules(model))
-                logger.info("FP8 weights (%s%s)%s", fp8.method, f", {fp8.block[0]}x{fp8.block[1]} blocks"
-                            if fp8.block else "", f"; left float: {', '.join(kept)}" if kept else "")
-        finally:
-            torch.set_default_dtype(default_dtype)
-    model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32
+    model, backend, ops = build_model(config, cfg, device, dtype, tp)
     load_weights(model, path, progress)
     model.eval()
     runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size, tp=tp)
@@ -140,6 +126,8 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
             compile_backend_kernels(runner, config.block_size)
 
     progress.begin("allocating_kv_cache")
+    if ahead is not None:   # their GPU memory must be free before the KV cache takes what is left
+        ahead.finish()
     drafter_block_bytes = 0
     if drafter is not None:
         drafter_block_bytes = math.prod(drafter.kv_cache_shape(1, config.block_size)) * dtype.itemsize
@@ -183,6 +171,30 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
+
+
+def build_model(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,
+                tp: TPGroup = SINGLE) -> tuple[torch.nn.Module, AttentionBackend, LayerOps]:
+    """The model's modules on the device, weights not loaded yet; the attention backend and the layer ops it
+    runs with."""
+    backend = select_attention_backend(config, device)
+    ops = choose_layer_ops(device, backend)
+    fp8 = fp8_scheme(cfg.quantization_config, config.quantization, config.model_path)
+    with torch.device(device):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            # An FP8 model's linear layers are built FP8 (never float first); those its checkpoint leaves float
+            # get their float weights back before loading.
+            model = model_class(cfg)(cfg, with_fp8(ops, fp8, device) if fp8 else ops, tp)
+            if fp8 is not None:
+                kept = keep_float(model, fp8, checkpoint_modules(model))
+                logger.info("FP8 weights (%s%s)%s", fp8.method, f", {fp8.block[0]}x{fp8.block[1]} blocks"
+                            if fp8.block else "", f"; left float: {', '.join(kept)}" if kept else "")
+        finally:
+            torch.set_default_dtype(default_dtype)
+    model.rotary.cos_sin_cache = model.rotary.cos_sin_cache.float()   # keep rotary tables in fp32
+    return model, backend, ops
 
 
 def select_attention_backend(config: EngineConfig, device: torch.device) -> AttentionBackend:
