@@ -37,6 +37,7 @@ import torch
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import TPGroup
 from kestrel.models.model_config import ModelConfig
+from kestrel.progress import Progress
 
 logger = logging.getLogger("kestrel.compile_ahead")
 
@@ -66,10 +67,14 @@ class CompileAhead:
     def __init__(self, workers: list[Worker]) -> None:
         self.workers = workers
 
-    def finish(self, wait_s: float = WAIT_S) -> None:
-        """Wait for every worker (stopping any still running after wait_s) and log how each did."""
+    def finish(self, progress: Progress | None = None, wait_s: float = WAIT_S) -> None:
+        """Wait for every worker (stopping any still running after wait_s) and log how each did; a wait shows as
+        the phase "compiling kernels", counting the workers done."""
         deadline = time.monotonic() + wait_s
-        for w in self.workers:
+        running = [w for w in self.workers if w.process.poll() is None]
+        if running and progress is not None:
+            progress.begin("compiling_kernels", len(self.workers), "workers")
+        for i, w in enumerate(self.workers):
             try:
                 w.process.wait(max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
@@ -77,6 +82,8 @@ class CompileAhead:
                 w.process.wait()
             seconds = time.monotonic() - w.started
             what = ("prefill" if w.job.prefill else "") + (f" buckets {w.job.buckets}" if w.job.buckets else "")
+            if running and progress is not None:
+                progress.update(i + 1)
             if w.process.returncode == 0:
                 logger.info("compile worker (%s) done in %.1f s", what.strip(), seconds)
                 w.log.unlink(missing_ok=True)

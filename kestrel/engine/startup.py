@@ -125,9 +125,9 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
         with child_cpu_progress(progress):
             compile_backend_kernels(runner, config.block_size)
 
-    progress.begin("allocating_kv_cache")
     if ahead is not None:   # their GPU memory must be free before the KV cache takes what is left
-        ahead.finish()
+        ahead.finish(progress)
+    progress.begin("allocating_kv_cache")
     drafter_block_bytes = 0
     if drafter is not None:
         drafter_block_bytes = math.prod(drafter.kv_cache_shape(1, config.block_size)) * dtype.itemsize
