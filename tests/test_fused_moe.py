@@ -42,14 +42,16 @@ CASES = [  # (tokens, experts, topk, hidden, inter, pick, dtype)
 
 
 @interpreted_only
+@pytest.mark.parametrize("path", ["tiles", "rows", None])
 @pytest.mark.parametrize("case", CASES)
-def test_fused_moe_kernel_equals_torch_reference(case):
+def test_fused_moe_kernel_equals_torch_reference(case, path):
+    """Both paths on every case (None: the one the row count picks: rows for decode-sized batches)."""
     from kestrel.kernels.triton.fused_moe import fused_experts_triton
 
     tokens, experts, topk, hidden, inter, pick, dtype = case
     gen = torch.Generator().manual_seed(tokens * 31 + experts)
     x, w13, w2, ids, weights = random_problem(tokens, experts, topk, hidden, inter, dtype, gen, pick)
-    ours = fused_experts_triton(x, w13, w2, ids, weights)
+    ours = fused_experts_triton(x, w13, w2, ids, weights, path=path)
     ref = fused_experts_torch(x, w13, w2, ids, weights)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours, ref, **tol)
