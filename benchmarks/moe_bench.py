@@ -168,7 +168,8 @@ def run(args: argparse.Namespace, report: dict, save) -> None:
 
     conc = random_prompts(args.concurrency, args.prompt_len, vocab, 2)
     say(f"c{args.concurrency}: warm-up")
-    run_requests(engine, conc, 4)
+    # prompts of their own: the timed ones must not find their prefixes cached by the warm-up
+    run_requests(engine, random_prompts(args.concurrency, args.prompt_len, vocab, 3), 4)
     say(f"c{args.concurrency}: {args.concurrency} prompts x {args.output_len} tokens")
     r = run_requests(engine, conc, args.output_len)
     c = args.concurrency

@@ -44,7 +44,10 @@ fi
 # the benches need ~90 s (DeepSeek) and ~130 s (Qwen3, most of it startup) at least: reserved from the tests' share
 run "$(limit "${TEST_TIMEOUT:-120}" 230)" "$OUT/tests.log" \
   "$PY" -m pytest -q -p no:cacheprovider -rfE --durations=8 tests/gpu/test_moe_gpu.py
-[ "$DRY" = 0 ] && tail -25 "$OUT/tests.log"
+if [ "$DRY" = 0 ]; then
+  grep -E "^(T=|device copy|routing)" "$OUT/tests.log"   # the MoE layer's kernel times (printed by a test)
+  tail -25 "$OUT/tests.log"
+fi
 
 JSONS=()
 for shape in $SHAPES; do

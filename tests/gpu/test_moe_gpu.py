@@ -128,6 +128,76 @@ def test_fused_moe_replays_in_a_cuda_graph_with_new_routing(tokens):
     assert_close_bf16(out, fused_experts_torch(x, w13, w2, ids, weights))
 
 
+@pytest.mark.parametrize("tokens", [1, 8, 128, 2048])
+def test_softmax_topk_kernel_matches_reference_and_replays_in_a_graph(tokens):
+    """The one-launch routing (kernels/triton/moe_routing.py) at Qwen3-30B-A3B's 128 experts, top-8: the same
+    experts in the same order, weights to float32 rounding; captured and replayed on new logits."""
+    from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+    from kestrel.layers.moe import softmax_topk
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    logits = torch.randn(tokens, 128, device="cuda", generator=g)
+    ours, ref = softmax_topk_triton(logits, 8, True), softmax_topk(logits, 8, True)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = softmax_topk_triton(logits, 8, True)
+    logits.copy_(torch.randn(tokens, 128, device="cuda", generator=g))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.topk_ids, softmax_topk(logits, 8, True).topk_ids)
+
+
+def _time_us(fn, iters: int = 100) -> float:
+    for _ in range(5):
+        fn()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) * 1000 / iters
+
+
+def _copy_gb_s() -> float:
+    src = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    dst = torch.empty_like(src)
+    return 2 * src.numel() / _time_us(lambda: dst.copy_(src), 10) / 1e3
+
+
+def test_fused_moe_layer_times_printed(capsys):
+    """Not a pass/fail figure: one Qwen3-30B-A3B MoE layer's experts at decode sizes, each path, as µs and the GB/s
+    of the expert weights it reads (E (1 - (1 - k/E)^T) experts of 3 x 2048 x 768 bf16), next to a device copy's
+    rate (read + written); and the routing ops before it (router GEMV in float32, softmax, top-k, renormalise)."""
+    from benchmarks.moe_roofline import expected_touched_experts
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+    from kestrel.layers.moe import softmax_topk
+
+    experts, topk, hidden, inter = LAYERS["qwen3-30b-a3b"]
+    rows = [f"device copy: {_copy_gb_s():,.0f} GB/s (read + written)"]
+    expert_bytes = 3 * hidden * inter * 2
+    for tokens in (1, 4, 8, 32, 128):
+        x, w13, w2, ids, weights = problem(tokens, experts, topk, hidden, inter, seed=tokens)
+        touched = expected_touched_experts(experts, topk, tokens)
+        for path in ("rows", "tiles"):
+            if path == "rows" and tokens > 32:
+                continue
+            us = _time_us(lambda: fused_experts_triton(x, w13, w2, ids, weights, path=path))
+            rows.append(f"T={tokens:<4} {path:<5} {us:8.1f} us  {touched * expert_bytes / us / 1e3:7,.0f} GB/s "
+                        f"(~{touched:.1f} experts)")
+    router = torch.randn(experts, hidden, device="cuda") * 0.02
+    x = torch.randn(1, hidden, device="cuda").to(torch.bfloat16)
+    from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+    for name, route in (("torch", softmax_topk), ("triton", softmax_topk_triton)):
+        us = _time_us(lambda: route(torch.nn.functional.linear(x.float(), router), topk, True))
+        rows.append(f"routing, T=1, router GEMV + softmax top-k ({name}), eager launches: {us:.1f} us")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))
+    assert len(rows) > 3
+
+
 @pytest.mark.parametrize("decode_rows", [1, 8])
 def test_mla_absorbed_decode_on_cuda_matches_the_definition(decode_rows):
     """No Triton MLA kernel exists yet (attention/mla.py is torch code); its decode form on the GPU in bf16, at
@@ -260,3 +330,4 @@ def test_dummy_load_format_runs_a_moe_shape_on_cuda(tmp_path, monkeypatch):
     finally:
         llm.shutdown()
         switches.cache_clear()
+
