@@ -293,14 +293,12 @@ def test_qwen3_moe_graphs_keep_eager_tokens_with_the_fused_moe(moe_ckpt, monkeyp
 
 
 def test_qwen3_moe_fused_experts_keep_the_torch_experts_tokens(moe_ckpt, monkeypatch):
-    """Graphs on both sides: the fused kernel against the torch experts (which run every expert densely while a
-    graph is captured, layers/moe.py), and against the torch experts' eager sparse loop."""
+    """The fused kernels (routing and experts) in graphs against the torch experts' eager sparse loop, the
+    oracle (one engine start fewer than graphs on both sides: the test file's time is the device call's)."""
     path = moe_ckpt("qwen3_moe")
     fused, _ = _tokens(path, monkeypatch, fused=True)
-    torch_graphs, info = _tokens(path, monkeypatch, fused=False)
-    assert info["graphs"]
     torch_eager, _ = _tokens(path, monkeypatch, fused=False, graphs=False)
-    assert fused == torch_graphs == torch_eager
+    assert fused == torch_eager
 
 
 def test_deepseek_v3_fused_experts_keep_the_torch_experts_tokens(moe_ckpt, monkeypatch):
