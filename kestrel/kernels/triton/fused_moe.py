@@ -24,9 +24,10 @@ launches instead of the alignment's dozen small torch ops plus two launches of m
 pick the same expert read its weights twice (mostly from L2); past ROWS_PATH_MAX rows the tiles, which read each
 expert once, take over. Both paths round what the reference rounds, where it rounds it.
 
-Compiled kernels multiply bf16 / fp16 operands on the tensor
-cores with float32 accumulation (float32 models: exact "ieee" dots, the parity path); under Triton's interpreter
-bf16 operands are upcast first, since its bf16 dot is wrong (tests/test_triton_kernels.py).
+The tiles path's compiled kernels multiply bf16 / fp16 operands on the tensor cores with float32 accumulation
+(float32 models: exact "ieee" dots, the parity path); under Triton's interpreter bf16 operands are upcast first,
+since its bf16 dot is wrong (tests/test_triton_kernels.py). The rows path multiplies and sums in float32 (CUDA
+cores: one row has nothing for a tensor core to share).
 """
 from __future__ import annotations
 
