@@ -15,6 +15,7 @@ each stage, so a timeout keeps what was done):
     c128             --concurrency distinct random prompts of 128 tokens submitted at once, --output-len out each,
                      after a warm-up that compiles the batched shapes; output tok/s over the wall time, and
                      decode tok/s after the last request's first token (all of them decoding: the roofline's case)
+    kernel profile   --profile-steps bs1 decode steps under torch.profiler: device time by kernel a step
     rooflines        benchmarks/moe_roofline.py: active bytes per token (bs1), experts touched at the batch (c128),
                      KV read at the mean context; and the fraction of each that was reached
     KV bytes/token   the runner's cache layout, next to GQA / MHA of the same width
@@ -66,6 +67,33 @@ def experts_impl(model: torch.nn.Module) -> str | None:
     return None if impl is None else f"{impl.__module__}.{impl.__name__}"
 
 
+def profile_decode(engine, prompt: list[int], steps: int, device: str, top: int = 25) -> dict:
+    """Where a bs1 decode step's time goes: `steps` decode steps (and the prompt's one prefill) under torch.profiler,
+    kernels by total device time (CPU: ops by self CPU time), per step. Never fails the bench."""
+    try:
+        from torch.profiler import ProfilerActivity, profile
+
+        cuda = device.startswith("cuda")
+        with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+            run_requests(engine, [prompt], steps + 1)
+            if cuda:
+                torch.cuda.synchronize()
+        events = []
+        for e in prof.key_averages():
+            us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+                else e.self_cpu_time_total
+            if us > 0:
+                events.append((us, e.count, e.key))
+        events.sort(reverse=True)
+        return {"steps": steps, "clock": "device" if cuda else "self cpu",
+                "us_per_step": sum(us for us, _, _ in events) / steps,
+                "launches_per_step": sum(n for _, n, _ in events) / steps,
+                "top": [{"us_per_step": us / steps, "calls_per_step": n / steps, "name": name[:120]}
+                        for us, n, name in events[:top]]}
+    except Exception as exc:   # noqa: BLE001 - a profiler hiccup must not lose the timings
+        return {"error": repr(exc)[:300]}
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default=None, choices=sorted(SHAPES), help="benchmarks/shapes.py name "
@@ -80,6 +108,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--bs1-prompts", type=int, default=2, help="prompts timed one at a time for bs1")
     ap.add_argument("--max-model-len", type=int, default=1024)
     ap.add_argument("--disable-cuda-graph", action="store_true")
+    ap.add_argument("--profile-steps", type=int, default=None, help="bs1 decode steps run under torch.profiler "
+                    "for a per-kernel split, 0: none (default 16; 2 with --quick)")
     args = ap.parse_args(argv)
     quick = args.quick
     args.shape = args.shape or (QUICK_SHAPE if quick else "qwen3-30b-a3b")
@@ -87,6 +117,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args.prompt_len = args.prompt_len or (16 if quick else 128)
     args.output_len = args.output_len or (8 if quick else 256)
     args.concurrency = args.concurrency or (4 if quick else 128)
+    if args.profile_steps is None:
+        args.profile_steps = 2 if quick else 16
     return args
 
 
@@ -165,6 +197,11 @@ def run(args: argparse.Namespace, report: dict, save) -> None:
     say(f"bs1: {report['bs1']['decode_tok_s']:.1f} decode tok/s = "
         f"{report['bs1']['fraction_of_roofline']:.2f} of the roofline")
     save()
+
+    if args.profile_steps:
+        say(f"bs1: kernel profile of {args.profile_steps} decode steps")
+        report["bs1_kernel_profile"] = profile_decode(engine, prompts[1], args.profile_steps, args.device)
+        save()
 
     conc = random_prompts(args.concurrency, args.prompt_len, vocab, 2)
     say(f"c{args.concurrency}: warm-up")

@@ -19,6 +19,7 @@ def rows(report: dict) -> dict[str, str]:
     c = report.get("workload", {}).get("concurrency", 128)
     bs1, conc = report.get("bs1", {}), report.get(f"c{c}", {})
     kv_same = report.get("kv_bytes_per_token_same_width", {})
+    prof = report.get("bs1_kernel_profile", {})
     gqa = ", ".join(f"{k} {v:,}" for k, v in kv_same.items())
     return {
         "device": report.get("gpu") or report.get("device", "?"),
@@ -31,6 +32,8 @@ def rows(report: dict) -> dict[str, str]:
         "bs1 decode tok/s": _num(bs1.get("decode_tok_s")),
         "bs1 roofline tok/s": _num(roof.get("bs1_roofline_tok_s")),
         "bs1 fraction (target >= 0.65)": _num(bs1.get("fraction_of_roofline"), ".3f"),
+        "bs1 profiled: us a step, launches a step": f"{_num(prof.get('us_per_step'))}, "
+                                                    f"{_num(prof.get('launches_per_step'), '.0f')}",
         "concurrent requests": str(c),
         "concurrent output tok/s (decode after last TTFT)": f"{_num(conc.get('output_tok_s'))} "
                                                             f"({_num(conc.get('decode_tok_s'))})",

@@ -40,6 +40,8 @@ def test_quick_run_reports_every_figure(tmp_path, shape):
         assert r["kv_bytes_per_token"] < min(r["kv_bytes_per_token_same_width"].values())
     else:
         assert r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4   # layers x K,V x KV heads x head_dim x fp32
+    profile = r["bs1_kernel_profile"]
+    assert "error" not in profile and profile["us_per_step"] > 0 and profile["top"][0]["name"]
     text = moe_table.table({shape: r})
     assert "bs1 decode tok/s" in text and shape in text
 
