@@ -1,5 +1,10 @@
 """Real model shapes with random weights, written as HF checkpoints (sharded bf16 safetensors) on the GPU box.
 
+The mixture-of-experts shapes are benchmarked with `--load-format dummy` (random weights made on the device), for
+which `write_config_only` writes config.json and the tokenizer: Qwen3-30B-A3B's 61 GB of bf16 would take longer to
+write and read than the whole benchmark. The "-tiny" shapes are the same architectures small enough for the CPU
+(benchmarks/moe_bench.py --quick, its test).
+
 The tokenizer is a word-level one with exactly the model's vocabulary ("t0" .. "tN"), so every sampled id
 detokenizes and the text path costs what it would with a real tokenizer of that size.
 """
@@ -24,10 +29,69 @@ SHAPES: dict[str, dict] = {
         num_hidden_layers=28, num_attention_heads=16, num_key_value_heads=8, head_dim=128, vocab_size=151936,
         max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1000000.0, tie_word_embeddings=True,
         attention_bias=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
+    # Qwen3-30B-A3B's config.json (Qwen/Qwen3-30B-A3B) but for bos/eos, which are the word-level tokenizer's:
+    # 48 layers, 128 experts of width 768, top-8 renormalised, 32 query / 4 KV heads of 128, 30.5 B parameters
+    # (61.1 GB bf16), 3.3 B of them active per token
+    "qwen3-30b-a3b": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144,
+        moe_intermediate_size=768, num_experts=128, num_experts_per_tok=8, norm_topk_prob=True,
+        decoder_sparse_step=1, mlp_only_layers=[], num_hidden_layers=48, num_attention_heads=32,
+        num_key_value_heads=4, head_dim=128, vocab_size=151936, max_position_embeddings=40960, rms_norm_eps=1e-6,
+        rope_theta=1000000.0, tie_word_embeddings=False, attention_bias=False, use_sliding_window=False,
+        sliding_window=None, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
+    # DeepSeek-V2-Lite's widths (hidden 2048, 16 heads, latent 512, no q compression, 64 experts of 1408, 2 shared,
+    # top-6) with DeepSeek-V3's router (sigmoid, 8 groups of 8, best 4 groups, scaling 2.5) and vocabulary, 16
+    # layers: 9.4 B parameters (18.8 GB bf16), 1.6 B active per token
+    "deepseek-v3-small": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=2048,
+        intermediate_size=10944, moe_intermediate_size=1408, n_routed_experts=64, n_shared_experts=2,
+        num_experts_per_tok=6, n_group=8, topk_group=4, routed_scaling_factor=2.5, norm_topk_prob=True,
+        topk_method="noaux_tc", scoring_func="sigmoid", first_k_dense_replace=1, moe_layer_freq=1,
+        num_hidden_layers=16, num_attention_heads=16, num_key_value_heads=16, kv_lora_rank=512, q_lora_rank=None,
+        qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, vocab_size=129280,
+        max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40.0, "original_max_position_embeddings": 4096, "beta_fast": 32,
+                      "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+        tie_word_embeddings=False, attention_bias=False, num_nextn_predict_layers=0, bos_token_id=0,
+        eos_token_id=1, torch_dtype="bfloat16"),
+    # CPU-sized: the two architectures above at a few MB (moe_bench.py --quick)
+    "qwen3-moe-tiny": dict(
+        architectures=["Qwen3MoeForCausalLM"], model_type="qwen3_moe", hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, num_experts=8, num_experts_per_tok=2, norm_topk_prob=True, decoder_sparse_step=1,
+        mlp_only_layers=[], num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+        vocab_size=512, max_position_embeddings=1024, rms_norm_eps=1e-6, rope_theta=1000000.0,
+        tie_word_embeddings=False, attention_bias=False, bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
+    "deepseek-v3-tiny": dict(
+        architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", hidden_size=64, intermediate_size=128,
+        moe_intermediate_size=32, n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2,
+        topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True, first_k_dense_replace=1,
+        num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+        qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=16, vocab_size=512, max_position_embeddings=1024,
+        rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=False, attention_bias=False,
+        bos_token_id=0, eos_token_id=1, torch_dtype="bfloat16"),
 }
 
 
+def is_moe(cfg: dict) -> bool:
+    return bool(cfg.get("num_experts") or cfg.get("n_routed_experts") or cfg.get("num_local_experts"))
+
+
+def write_config_only(name: str, out: Path) -> Path:
+    """config.json and the word-level tokenizer, no weights: what `--load-format dummy` needs. Cheap, so it is
+    written again each time (no completion marker to trust)."""
+    cfg = SHAPES[name]
+    out.mkdir(parents=True, exist_ok=True)
+    for stale in out.glob("*.safetensors*"):   # a dummy-format directory must not look like a checkpoint
+        stale.unlink()
+    (out / "config.json").write_text(json.dumps(cfg, indent=1))
+    write_wordlevel_tokenizer(out, cfg["vocab_size"])
+    return out
+
+
 def tensor_shapes(cfg: dict) -> dict[str, tuple[int, ...]]:
+    if is_moe(cfg):
+        raise ValueError(f"{cfg['architectures'][0]}: mixture-of-experts shapes are benchmarked with "
+                         "--load-format dummy (write_config_only), not written as checkpoints")
     h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     hd = cfg.get("head_dim") or h // cfg["num_attention_heads"]
     q, kv = cfg["num_attention_heads"] * hd, cfg["num_key_value_heads"] * hd

@@ -13,6 +13,9 @@ DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel
 # The default model's EAGLE-3 drafter (trained by `kestrel train-eagle3`, MODEL_CARD.md beside it): speculation
 # with --speculative-algorithm EAGLE3 and no drafter path works out of the box.
 DEFAULT_DRAFTER_DIR = DEFAULT_MODEL_DIR.parent / "kestrel-tiny-eagle3"
+# vLLM's --load-format names Kestrel has: auto, the checkpoint's own format (safetensors directory or .gguf file);
+# dummy, random weights (kestrel/models/dummy_weights.py)
+LOAD_FORMATS = ("auto", "dummy")
 
 
 @dataclass(frozen=True, slots=True)
@@ -22,6 +25,7 @@ class EngineConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
     quantization: str | None = None        # fp8 | fp8-per-tensor: quantize a float checkpoint's linears at load
+    load_format: str = "auto"              # auto (read the checkpoint) | dummy (random weights, config.json only)
     seed: int = 0
     block_size: int = 16
     gpu_memory_utilization: float = 0.90   # CUDA: fraction of device memory for weights + activations + KV
@@ -72,6 +76,9 @@ class EngineConfig:
         if self.quantization not in (None, "fp8", "fp8-per-tensor"):
             raise KestrelError(f"--quantization {self.quantization!r} is invalid: expected fp8 or fp8-per-tensor "
                                "(FP8 checkpoints are recognised from their config.json without the flag)")
+        if self.load_format not in LOAD_FORMATS:
+            raise KestrelError(f"--load-format {self.load_format!r} is invalid: expected auto (read the checkpoint) "
+                               "or dummy (random weights made on the device from config.json alone)")
         if self.attention_backend not in (None, "triton", "flashinfer", "torch"):
             raise KestrelError(f"--attention-backend {self.attention_backend!r} is invalid: "
                                "expected triton, flashinfer or torch")
@@ -189,6 +196,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="quantize a float checkpoint's linear layers to FP8 as it loads, one scale per output "
                         "channel (fp8) or per tensor; FP8 checkpoints (HF fp8, compressed-tensors) load as FP8 "
                         "without it")
+    parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
+                        help="auto: read the checkpoint's weights; dummy: random weights made on the device, for "
+                        "benchmarks (the model directory needs only config.json and the tokenizer)")
     parser.add_argument("--seed", type=int, default=0, help="random seed for weight init and unseeded sampling")
     parser.add_argument("--block-size", type=int, default=16, help="tokens per KV cache block (a power of two)")
     parser.add_argument("--gpu-memory-utilization", type=float, default=0.90,

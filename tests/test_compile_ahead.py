@@ -44,3 +44,12 @@ def test_a_worker_process_runs_both_kinds_of_job(checkpoint_factory, tmp_path):
         done = subprocess.run([sys.executable, "-m", "kestrel.engine.compile_ahead", str(spec)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
+
+
+def test_dummy_weights_are_counted_from_the_model_built_on_meta(checkpoint_factory):
+    from kestrel.engine.compile_ahead import model_bytes
+    path = checkpoint_factory("llama")
+    cfg = load_model_config(path)
+    on_disk = model_bytes(EngineConfig(model=str(path)), cfg, 4)          # the fixture is float32 safetensors
+    dummy = model_bytes(EngineConfig(model=str(path), load_format="dummy"), cfg, 4)
+    assert abs(dummy - on_disk) / on_disk < 0.05, (dummy, on_disk)

@@ -42,14 +42,16 @@ CASES = [  # (tokens, experts, topk, hidden, inter, pick, dtype)
 
 
 @interpreted_only
+@pytest.mark.parametrize("path", ["tiles", "rows", None])
 @pytest.mark.parametrize("case", CASES)
-def test_fused_moe_kernel_equals_torch_reference(case):
+def test_fused_moe_kernel_equals_torch_reference(case, path):
+    """Both paths on every case (None: the one the row count picks: rows for decode-sized batches)."""
     from kestrel.kernels.triton.fused_moe import fused_experts_triton
 
     tokens, experts, topk, hidden, inter, pick, dtype = case
     gen = torch.Generator().manual_seed(tokens * 31 + experts)
     x, w13, w2, ids, weights = random_problem(tokens, experts, topk, hidden, inter, dtype, gen, pick)
-    ours = fused_experts_triton(x, w13, w2, ids, weights)
+    ours = fused_experts_triton(x, w13, w2, ids, weights, path=path)
     ref = fused_experts_torch(x, w13, w2, ids, weights)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours, ref, **tol)
@@ -109,7 +111,8 @@ def test_grouped_sigmoid_topk_chooses_with_the_bias_and_weighs_without_it():
 @interpreted_only
 @pytest.mark.parametrize("name", ["qwen3_moe", "deepseek_v3"])
 def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tmp_path, name):
-    """The seam: LayerOps.fused_moe swapped for the kernel, nothing else changed, same logits."""
+    """The seam: LayerOps.fused_moe and .softmax_topk swapped for the kernels, nothing else changed, same
+    logits."""
     from dataclasses import replace
 
     from kestrel.attention.torch_ref import TorchAttentionBackend
@@ -126,7 +129,9 @@ def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tm
     cfg = hf_model_config(path)
     prompts = [[5, 9, 31, 2, 77, 100, 4], [8, 8, 3]]
     logits = []
-    for ops in (TORCH_OPS, replace(TORCH_OPS, fused_moe=fused_experts_triton)):
+    from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+    fused = replace(TORCH_OPS, fused_moe=fused_experts_triton, softmax_topk=softmax_topk_triton)
+    for ops in (TORCH_OPS, fused):
         model = model_class(cfg)(cfg, ops)
         load_safetensors_weights(model, path)
         runner = ModelRunner(model.eval(), cfg, TorchAttentionBackend(), torch.device("cpu"), torch.float32, 4)
@@ -151,3 +156,20 @@ def test_the_kernel_is_chosen_on_cuda_only_when_asked():
         is fused_experts_torch
     assert choose_layer_ops(cuda, Backend(), DevSwitches()).fused_moe is fused_experts_torch
     assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).fused_moe is fused_experts_triton
+    from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+    assert choose_layer_ops(cuda, Backend(), DevSwitches()).softmax_topk is softmax_topk
+    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).softmax_topk is softmax_topk_triton
+
+
+@interpreted_only
+@pytest.mark.parametrize("tokens,experts,k,renormalize", [(1, 128, 8, True), (5, 128, 8, False), (7, 8, 2, True),
+                                                           (3, 60, 4, True), (4, 6, 1, False)])
+def test_softmax_topk_kernel_equals_the_reference(tokens, experts, k, renormalize):
+    """One launch: the same experts in the same (descending) order, weights to float32 rounding; E not a power of
+    two (60, 6) and k = 1 included."""
+    from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+
+    logits = torch.randn(tokens, experts, generator=torch.Generator().manual_seed(tokens + experts)) * 2
+    ours, ref = softmax_topk_triton(logits, k, renormalize), softmax_topk(logits, k, renormalize)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)

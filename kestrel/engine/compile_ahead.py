@@ -115,10 +115,18 @@ def worker_bytes(cfg: ModelConfig, checkpoint_bytes: int, dtype_bytes: int) -> i
     return embeddings + WORKER_LAYERS * per_layer + (2 << 30)
 
 
-def checkpoint_size(path: Path) -> int:
-    if path.is_file():
-        return path.stat().st_size
-    return sum(f.stat().st_size for f in path.glob("*.safetensors"))
+def model_bytes(config: EngineConfig, cfg: ModelConfig, dtype_bytes: int) -> int:
+    """The weights the engine will hold: the checkpoint's size, or with dummy weights the parameters of the model
+    built on the meta device (no memory)."""
+    path = config.model_path
+    if config.load_format != "dummy":
+        return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
+    from kestrel.distributed.comm import SINGLE
+    from kestrel.layers.ops import TORCH_OPS
+    from kestrel.models.registry import model_class
+    with torch.device("meta"):
+        model = model_class(cfg)(cfg, TORCH_OPS, SINGLE)
+    return sum(p.numel() for p in model.parameters()) * dtype_bytes
 
 
 def start_compile_ahead(config: EngineConfig, cfg: ModelConfig, device: torch.device, tp: TPGroup,
@@ -129,7 +137,7 @@ def start_compile_ahead(config: EngineConfig, cfg: ModelConfig, device: torch.de
             or cfg.kv_lora_rank:   # latent attention runs without graphs for now (startup.py)
         return None
     free, _ = torch.cuda.mem_get_info(device)
-    weights = checkpoint_size(config.model_path)
+    weights = model_bytes(config, cfg, 2)
     each = worker_bytes(cfg, weights, 2)
     workers = min(config.compile_workers, int((0.8 * free - weights) // each))
     if workers < 1:

@@ -27,6 +27,7 @@ from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
 from kestrel.layers.ops import LayerOps, choose_layer_ops
 from kestrel.models.checkpoint import load_model_config, load_weights
+from kestrel.models.dummy_weights import init_dummy_weights
 from kestrel.models.model_config import ModelConfig
 from kestrel.models.quantization import checkpoint_modules, fp8_scheme
 from kestrel.models.registry import model_class
@@ -108,7 +109,10 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     ahead = start_compile_ahead(config, cfg, device, tp, max_model_len)
     torch.manual_seed(config.seed)
     model, backend, ops = build_model(config, cfg, device, dtype, tp)
-    load_weights(model, path, progress)
+    if config.load_format == "dummy":
+        init_dummy_weights(model, config.seed, progress)
+    else:
+        load_weights(model, path, progress)
     model.eval()
     runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size, tp=tp)
     spec = config.speculative

@@ -14,6 +14,8 @@ no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, an
                                            backend that accepts K/V already in the cache
     fused_moe       layers/moe.py's fused_experts_torch; kestrel/kernels/triton/fused_moe.py on CUDA with
                                            KESTREL_FUSED_MOE=1 (opt-in until checked on a GPU)
+    softmax_topk    layers/moe.py's softmax_topk (Qwen3-MoE / Mixtral routing); kestrel/kernels/triton/
+                                           moe_routing.py (one launch instead of four) with the fused MoE
 """
 from __future__ import annotations
 
@@ -26,7 +28,7 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.envs import DevSwitches, switches
 from kestrel.layers.linear import PLAIN, LinearMethod, silu_and_mul_torch
-from kestrel.layers.moe import ExpertsImpl, fused_experts_torch
+from kestrel.layers.moe import ExpertsImpl, Routing, fused_experts_torch, softmax_topk
 from kestrel.layers.norm import rms_norm_torch
 from kestrel.layers.rotary import apply_rotary_torch
 
@@ -44,6 +46,8 @@ class LayerOps:
     attn_prologue: Callable[..., torch.Tensor] | None = None
     # (x, w13, w2, topk_ids, topk_weights, silu_and_mul) -> the experts' weighted sum (layers/moe.py)
     fused_moe: ExpertsImpl = fused_experts_torch
+    # (router logits [T, E], k, renormalize) -> Routing: softmax over the experts, the k largest
+    softmax_topk: Callable[[torch.Tensor, int, bool], Routing] = softmax_topk
 
 
 TORCH_OPS = LayerOps(rms_norm=rms_norm_torch, apply_rotary=apply_rotary_torch, silu_and_mul=silu_and_mul_torch)
@@ -68,10 +72,12 @@ def choose_layer_ops(device: torch.device, backend: AttentionBackend, dev: DevSw
     else:
         logger.warning("fused attention prologue not used: the %s backend writes K/V itself", backend.name)
     fused_moe: ExpertsImpl = fused_experts_torch
+    route = softmax_topk
     if dev.fused_moe:
         from kestrel.kernels.triton.fused_moe import fused_experts_triton
-        fused_moe = fused_experts_triton
+        from kestrel.kernels.triton.moe_routing import softmax_topk_triton
+        fused_moe, route = fused_experts_triton, softmax_topk_triton
     return LayerOps(rms_norm=fused_ops.rms_norm, apply_rotary=fused_ops.apply_rotary,
                     silu_and_mul=fused_ops.silu_and_mul,
                     linear_method=skinny_method(dev.skinny_matmul, dev.cuda_gemv) or PLAIN,
-                    attn_prologue=prologue, fused_moe=fused_moe)
+                    attn_prologue=prologue, fused_moe=fused_moe, softmax_topk=route)

@@ -26,7 +26,7 @@ from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
 from kestrel.forward.batch import ForwardBatch
-from kestrel.layers.moe import Router, Routing, SparseMoE, expert_weight_names, softmax_topk
+from kestrel.layers.moe import Router, Routing, SparseMoE, expert_weight_names
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding
@@ -87,8 +87,9 @@ class MoeDecoderLayer(nn.Module):
         return getattr(self, self.mlp_name)(hidden, residual, self.post_attention_layernorm)
 
 
-def _softmax_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routing:
-    return softmax_topk(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+def _softmax_route(cfg: ModelConfig, route: Callable[[torch.Tensor, int, bool], Routing], logits: torch.Tensor,
+                   gate: Router) -> Routing:
+    return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)   # LayerOps.softmax_topk
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
@@ -103,7 +104,7 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                    tp: TPGroup) -> nn.Module:
         if index in cfg.dense_layers:
             return DecoderLayer(cfg, rotary, ops, tp)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg)))
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk)))
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -115,5 +116,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
 
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg)),
-                               mlp_name="block_sparse_moe")
+        route = partial(_softmax_route, cfg, ops.softmax_topk)
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route), mlp_name="block_sparse_moe")

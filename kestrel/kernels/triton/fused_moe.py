@@ -15,9 +15,19 @@ no host sync, sizes fixed by T, k and E, so it can sit in a CUDA graph):
     kernel 2, grid (tiles, H / BLOCK_N): rows_out[r] = weight[r] * (inter[r] @ W_down[e].T)          (float32)
     out[t] = sum over slots of rows_out[t k + slot]                    (torch; cast to x's dtype)
 
-An expert with no tokens gets no tile; a tile of an unused expert id (-1) masks every load and store. Operands are
-upcast to float32 before tl.dot (the interpreter's bf16 dot is wrong; see tests/test_triton_kernels.py), which a
-tuned GPU version would drop along with picking block sizes per shape.
+An expert with no tokens gets no tile; a tile of an unused expert id (-1) returns at once.
+
+Decode batches (T k <= ROWS_PATH_MAX rows) skip the alignment: one program per (row, column block) reads its row's
+expert id and runs a matrix-vector product with that expert's weights (`path="rows"`). A decode step then costs two
+launches instead of the alignment's dozen small torch ops plus two launches of mostly empty tiles (bs1, top-8 of
+128 experts: 8 of 121 tiles hold a row), and each row streams its expert's rows contiguously. Two tokens that
+pick the same expert read its weights twice (mostly from L2); past ROWS_PATH_MAX rows the tiles, which read each
+expert once, take over. Both paths round what the reference rounds, where it rounds it.
+
+The tiles path's compiled kernels multiply bf16 / fp16 operands on the tensor cores with float32 accumulation
+(float32 models: exact "ieee" dots, the parity path); under Triton's interpreter bf16 operands are upcast first,
+since its bf16 dot is wrong (tests/test_triton_kernels.py). The rows path multiplies and sums in float32 (CUDA
+cores: one row has nothing for a tensor core to share).
 """
 from __future__ import annotations
 
@@ -28,6 +38,7 @@ import triton
 import triton.language as tl
 
 BLOCK_M = 16
+ROWS_PATH_MAX = 64   # (token, slot) rows up to which the per-row matrix-vector path runs (bs 8 at top-8)
 
 
 def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLOCK_M
@@ -35,7 +46,10 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
     """(sorted_rows [capacity] int32, tile_expert [capacity / block_m] int32), drawn in the module docstring."""
     flat = topk_ids.reshape(-1).long()
     num_rows = flat.numel()
-    counts = torch.bincount(flat, minlength=num_experts)
+    # not torch.bincount: on CUDA it reads the largest id back to the host to size its output, which breaks a CUDA
+    # graph capture (and stalls every eager step); a scatter into E counters is sized by E alone
+    counts = torch.zeros(num_experts, dtype=torch.long, device=flat.device).scatter_add_(
+        0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = torch.cumsum(padded, 0)
     order = torch.argsort(flat, stable=True)                     # rows by expert, in row order within one
@@ -54,11 +68,14 @@ def align_by_expert(topk_ids: torch.Tensor, num_experts: int, block_m: int = BLO
 def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_ptr, num_rows,
                         stride_x, stride_we, stride_wn, stride_i,
                         TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:   # a tile past the last expert's run: no rows, nothing to write
+        return
     used = expert >= 0
-    expert = tl.maximum(expert, 0).to(tl.int64)
+    expert = expert.to(tl.int64)
     rows = tl.load(sorted_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = (rows < num_rows) & used
     tokens = (rows // TOPK).to(tl.int64)
@@ -71,12 +88,14 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < H
         a = tl.load(x_ptr + tokens[:, None] * stride_x + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        w_mask = k_ok[:, None] & col_ok[None, :] & used
-        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        wu = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None], mask=w_mask, other=0.0).to(tl.float32)
-        gate += tl.dot(a, wg)
-        up += tl.dot(a, wu)
+                    other=0.0)
+        w_mask = k_ok[:, None] & col_ok[None, :]
+        wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        wu = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        if DOT_FP32:
+            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+        gate += tl.dot(a, wg, input_precision=DOT_PRECISION)
+        up += tl.dot(a, wu, input_precision=DOT_PRECISION)
     # as the reference: silu(gate) rounded to the model dtype, then times up
     act = (gate * tl.sigmoid(gate)).to(inter_ptr.dtype.element_ty).to(tl.float32) * \
         up.to(inter_ptr.dtype.element_ty).to(tl.float32)
@@ -88,11 +107,14 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
 def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weights_ptr, out_ptr, num_rows,
                      stride_i, stride_we, stride_wn, stride_o,
                      H: tl.constexpr, I: tl.constexpr,
-                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
+    if expert < 0:
+        return
     used = expert >= 0
-    expert = tl.maximum(expert, 0).to(tl.int64)
+    expert = expert.to(tl.int64)
     rows = tl.load(sorted_rows_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
     valid = (rows < num_rows) & used
     rows64 = rows.to(tl.int64)
@@ -104,10 +126,12 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
         a = tl.load(inter_ptr + rows64[:, None] * stride_i + ks[None, :], mask=valid[:, None] & k_ok[None, :],
-                    other=0.0).to(tl.float32)
-        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :] & used,
-                    other=0.0).to(tl.float32)
-        acc += tl.dot(a, w)
+                    other=0.0)
+        w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
+                    other=0.0)
+        if DOT_FP32:
+            a, w = a.to(tl.float32), w.to(tl.float32)
+        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     # the expert's output in the model dtype (as the reference's F.linear), then weighed in float32
     acc = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)
     weight = tl.load(weights_ptr + rows64, mask=valid, other=0.0).to(tl.float32)
@@ -115,27 +139,131 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
              mask=valid[:, None] & col_ok[None, :])
 
 
+@triton.jit
+def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, stride_we, stride_wn, stride_i,
+                             TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """inter[row, cols] for one (token, slot) row: its expert's gate and up rows against x[token]."""
+    row = tl.program_id(0)
+    token = (row // TOPK).to(tl.int64)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < I
+    gate = tl.zeros([BLOCK_N], dtype=tl.float32)
+    up = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_gate = w13_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    w_up = w_gate + I * stride_wn
+    for k0 in range(0, H, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < H
+        a = tl.load(x_ptr + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w_mask = col_ok[:, None] & k_ok[None, :]
+        wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0).to(tl.float32)
+        gate += tl.sum(wg * a[None, :], axis=1)
+        up += tl.sum(wu * a[None, :], axis=1)
+    act = (gate * tl.sigmoid(gate)).to(inter_ptr.dtype.element_ty).to(tl.float32) * \
+        up.to(inter_ptr.dtype.element_ty).to(tl.float32)
+    tl.store(inter_ptr + row.to(tl.int64) * stride_i + cols, act.to(inter_ptr.dtype.element_ty), mask=col_ok)
+
+
+@triton.jit
+def _moe_down_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_i, stride_we, stride_wn,
+                          stride_o, H: tl.constexpr, I: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """rows_out[row, cols] = weight[row] * (inter[row] @ W_down[expert].T)[cols], float32."""
+    row = tl.program_id(0)
+    row64 = row.to(tl.int64)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    col_ok = cols < H
+    acc = tl.zeros([BLOCK_N], dtype=tl.float32)
+    w_base = w2_ptr + expert * stride_we + cols[:, None].to(tl.int64) * stride_wn
+    for k0 in range(0, I, BLOCK_K):
+        ks = k0 + tl.arange(0, BLOCK_K)
+        k_ok = ks < I
+        a = tl.load(inter_ptr + row64 * stride_i + ks, mask=k_ok, other=0.0).to(tl.float32)
+        w = tl.load(w_base + ks[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
+        acc += tl.sum(w * a[None, :], axis=1)
+    acc = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)
+    weight = tl.load(weights_ptr + row).to(tl.float32)
+    tl.store(out_ptr + row64 * stride_o + cols, acc * weight, mask=col_ok)
+
+
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, silu_and_mul: Callable | None = None,
-                         block_n: int = 32, block_k: int = 32) -> torch.Tensor:
+                         path: str | None = None, block_n: int | None = None, block_k: int | None = None
+                         ) -> torch.Tensor:
     """fused_experts_torch's contract in two launches: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k],
     topk_weights [T, k] -> [T, H] in x's dtype. silu_and_mul is accepted for the common signature and unused
-    (the first kernel applies it)."""
+    (the first kernel applies it). path: "rows" | "tiles" (None: rows up to ROWS_PATH_MAX (token, slot) rows);
+    block_n / block_k: the tiles path's tiles (None: `moe_tiles`)."""
     num_tokens, topk = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter_size = two_i // 2
     num_rows = num_tokens * topk
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    path = path or ("rows" if num_rows <= ROWS_PATH_MAX else "tiles")
+    if path == "rows":
+        return _experts_by_rows(x, w13, w2, topk_ids, topk_weights)
+    if path != "tiles":
+        raise ValueError(f"path {path!r}: expected rows or tiles")
     sorted_rows, tile_expert = align_by_expert(topk_ids, num_experts)
     tiles = tile_expert.numel()
+    default_n, default_k = moe_tiles()
+    block_n, block_k = block_n or default_n, block_k or default_k
+    dots = dict(DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(tiles, triton.cdiv(inter_size, block_n))](
         x, w13, sorted_rows, tile_expert, inter, num_rows, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOPK=topk, H=hidden, I=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k)
+        inter.stride(0), TOPK=topk, H=hidden, I=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        **dots)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _moe_down_kernel[(tiles, triton.cdiv(hidden, block_n))](
         inter, w2, sorted_rows, tile_expert, weights, rows_out, num_rows, inter.stride(0), w2.stride(0),
         w2.stride(1), rows_out.stride(0), H=hidden, I=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k)
+        BLOCK_K=block_k, **dots)
     return rows_out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
+
+
+def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                     topk_weights: torch.Tensor) -> torch.Tensor:
+    """The decode path (module docstring): no alignment, one matrix-vector product per (token, slot) row."""
+    num_tokens, topk = topk_ids.shape
+    _, two_i, hidden = w13.shape
+    inter_size = two_i // 2
+    num_rows = num_tokens * topk
+    ids = topk_ids.reshape(-1).contiguous()
+    block_n, block_k = row_tiles()
+    inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
+    _moe_gate_up_rows_kernel[(num_rows, triton.cdiv(inter_size, block_n))](
+        x, w13, ids, inter, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOPK=topk, H=hidden,
+        I=inter_size, BLOCK_N=block_n, BLOCK_K=block_k)
+    rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
+    weights = topk_weights.reshape(-1).float().contiguous()
+    _moe_down_rows_kernel[(num_rows, triton.cdiv(hidden, block_n))](
+        inter, w2, ids, weights, rows_out, inter.stride(0), w2.stride(0), w2.stride(1), rows_out.stride(0),
+        H=hidden, I=inter_size, BLOCK_N=block_n, BLOCK_K=block_k)
+    return rows_out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
+
+
+def row_tiles() -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K) of the rows path. Compiled: 16 output columns a program, 256-wide steps along the row (512
+    contiguous bytes of each of 16 weight rows per step): at bs1, top-8 of Qwen3-30B-A3B's experts, 8 x 48 gate|up
+    programs of 128 KB each and 8 x 128 down programs of 24 KB, about three programs per SM of an H100 to keep
+    loads in flight. Not yet timed (issue #35's GPU run is the first). Interpreted: small, so tests' shapes span
+    several steps."""
+    return (16, 16) if _interpreted() else (16, 256)
+
+
+def moe_tiles() -> tuple[int, int]:
+    """(BLOCK_N, BLOCK_K). Compiled: 64 x 128, a decode-sized choice (vLLM's tuned H100 tables pick N 64, K 128 for
+    small M at these expert widths): each weight tile streams 128 contiguous bf16 (256 B) of a row, and a program
+    reads 64 x 128 x 2 B per step, enough bytes in flight to approach the copy rate. Not yet timed here (the GPU
+    figures of issue #35 are its first timing). Interpreted: small tiles so tests' small shapes span several."""
+    return (32, 32) if _interpreted() else (64, 128)
+
+
+def _interpreted() -> bool:
+    return bool(triton.knobs.runtime.interpret)
