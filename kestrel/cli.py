@@ -62,6 +62,9 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict]:
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s",
                         stream=sys.stderr)
+    # Kestrel's INFO lines are its progress; torch's (e.g. its exit-time cache statistics, once the server's
+    # tokenizer thread has imported transformers and so torch) are not for users
+    logging.getLogger("torch").setLevel(logging.WARNING)
     parser, modules = build_parser()
     args = parser.parse_args(argv)
     try:
