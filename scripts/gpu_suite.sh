@@ -61,12 +61,14 @@ within() {   # within WANT RESERVE: WANT seconds, or what the budget leaves afte
 }
 
 SITE=
-if [ -d .whl ] && ls .whl/*.whl >/dev/null 2>&1; then   # from scripts/fetch_gpu_wheels.sh, carried with the call
-  if [ $DRY = 1 ]; then SITE=/tmp/site; else
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
-      .whl/*.whl >> "$LOG" 2>&1 && SITE=/tmp/site
+for wheels in .whl .whl-lite; do   # from scripts/fetch_gpu_wheels.sh (.whl-lite: the server stack alone), carried
+  if [ -d $wheels ] && ls $wheels/*.whl >/dev/null 2>&1; then
+    if [ $DRY = 1 ]; then SITE=/tmp/site; else
+      python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
+        $wheels/*.whl >> "$LOG" 2>&1 && SITE=/tmp/site
+    fi
   fi
-fi
+done
 
 say() { echo "$*" | tee -a "$LOG"; }
 step() { say "=== $* ($(date +%T))"; }
