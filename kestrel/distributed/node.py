@@ -47,6 +47,10 @@ def serve_node(config: EngineConfig) -> int:
     finally:
         watch.stop()
         stop_workers(procs)
+    # The ranks are gone and this process is exiting. Python resets its handlers to the default while it
+    # finalizes, so a SIGTERM then (node 0's supervisor stopping this node too) would turn a clean exit into
+    # death by signal; ignored, the exit status stays this function's.
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     if failure:
         print(f"error: {failure[0]}", flush=True)
         return 1

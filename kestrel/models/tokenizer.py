@@ -14,8 +14,8 @@ logger = logging.getLogger("kestrel.tokenizer")
 class Tokenizer:
     def __init__(self, path: Path, model_eos_ids: tuple[int, ...] = ()) -> None:
         if path.suffix.lower() == ".gguf":   # the vocabulary, merges and chat template live in the file
-            from kestrel.models.gguf.tokenizer import load_gguf_tokenizer
-            self.hf = load_gguf_tokenizer(path)
+            from kestrel.models.gguf.tokenizer import load_gguf_fast_tokenizer, load_gguf_tokenizer
+            self.hf = load_gguf_fast_tokenizer(path) or load_gguf_tokenizer(path)
         else:
             self.hf = self._load_dir(path)
         eos = set(model_eos_ids)
@@ -33,12 +33,26 @@ class Tokenizer:
     def _load_dir(path: Path):
         if not (path / "tokenizer.json").is_file() and not (path / "tokenizer_config.json").is_file():
             raise ModelLoadError(f"no tokenizer.json or tokenizer_config.json in {path}")
+        fast = Tokenizer._load_fast(path)
+        if fast is not None:
+            return fast
         from transformers import AutoTokenizer   # slow import: only when a tokenizer is really needed
 
         try:
             return AutoTokenizer.from_pretrained(str(path))
         except Exception as exc:  # transformers raises many types for broken tokenizer files
             raise ModelLoadError(f"cannot load the tokenizer in {path}: {exc}") from None
+
+    @staticmethod
+    def _load_fast(path: Path):
+        """tokenizer.json through `tokenizers` alone (fast_tokenizer.py): None when it needs transformers."""
+        from kestrel.models.fast_tokenizer import load_tokenizer_dir
+
+        try:
+            return load_tokenizer_dir(path)
+        except Exception as exc:  # a tokenizer.json `tokenizers` rejects: transformers says why, or converts it
+            logger.debug("tokenizer.json in %s needs transformers: %s", path, exc)
+            return None
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
