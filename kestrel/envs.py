@@ -14,17 +14,25 @@ tests that change one call `switches.cache_clear()`.
     KESTREL_FUSED_MOE=0          1: the fused Triton MoE kernel on CUDA (kernels/triton/fused_moe.py); off until it has
                                  been checked and timed on a GPU (tested under the interpreter only)
     CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
+    XDG_CACHE_HOME=~/.cache      where NVRTC's cubins are kept between runs (kestrel/nvrtc), beside other tools'
 """
 from __future__ import annotations
 
 import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 
 def omp_threads_set() -> bool:
     """Whether the user chose the intra-op thread count (OpenMP's own variable, which torch honours)."""
     return "OMP_NUM_THREADS" in os.environ
+
+
+def cache_home() -> Path:
+    """The user's cache directory (the XDG convention Triton and pip follow too); read at each call, so a process
+    that points it elsewhere (a cold-start benchmark, a test) is obeyed."""
+    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
 
 
 def _choice(name: str, default: str, allowed: tuple[str, ...]) -> str:

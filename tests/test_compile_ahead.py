@@ -41,7 +41,7 @@ def test_a_worker_process_runs_both_kinds_of_job(checkpoint_factory, tmp_path):
     for i, job in enumerate([Job(config, "cpu", 128, prefill=True), Job(config, "cpu", 128, buckets=[1, 4])]):
         spec = tmp_path / f"job{i}.pkl"
         spec.write_bytes(pickle.dumps(job))
-        done = subprocess.run([sys.executable, "-m", "kestrel.engine.compile_ahead", str(spec)],
+        done = subprocess.run([sys.executable, "-m", "kestrel.engine.compile_worker", str(spec)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
 

@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from kestrel.envs import switches
+from kestrel.envs import cache_home, switches
 
 CU_FUNC_ATTRIBUTE_SHARED_SIZE_BYTES = 1
 CU_FUNC_ATTRIBUTE_NUM_REGS = 4
@@ -95,7 +95,7 @@ COMMON_HEADER = Path(__file__).with_name("kestrel_cuda.cuh")   # what the kernel
 
 def cache_dir() -> Path:
     """Where compiled cubins are kept between runs (as Triton keeps its kernels): $XDG_CACHE_HOME/kestrel/nvrtc."""
-    return Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "kestrel" / "nvrtc"
+    return cache_home() / "kestrel" / "nvrtc"
 
 
 def compile_cubin(source: str, name: str, arch: str, defines: dict[str, int]) -> Compiled:
