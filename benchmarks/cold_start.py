@@ -141,7 +141,10 @@ def measure(model: str, device: str, port: int, prompt_len: int, requests: int, 
             "unaccounted_s": round(health["ready_s"] - sum(phases.values()), 3),
             "graph_memory_gib": graph_memory_gib(log_text), "prompt_len": prompt_len,
             "ttft_ms_p50": round(1000 * statistics.median(ttfts), 2),
-            "ttft_ms": [round(1000 * t, 2) for t in ttfts], "caches": "fresh (" + ", ".join(CACHE_VARIABLES) + ")"}
+            "ttft_ms": [round(1000 * t, 2) for t in ttfts], "caches": "fresh (" + ", ".join(CACHE_VARIABLES) + ")",
+            # the startup's own account (phases, compile workers, graphs, errors), to read a figure by
+            "server_log": [line for line in log_text.splitlines()
+                           if re.search(r"phase:|compile worker|captured|rror|Traceback", line)][:80]}
 
 
 def split_serve_args(argv: list[str]) -> tuple[list[str], list[str]]:

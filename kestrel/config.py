@@ -38,7 +38,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256
     disable_prefill_cuda_graph: bool = False  # graphs for a lone prompt chunk (TTFT: 8B 4.9 vs 25 ms on the H200)
     disable_overlap_schedule: bool = False   # graph decode: launch step N+1 before reading step N back
-    compile_workers: int = 4               # CUDA: processes compiling the kernels while the model loads; 0: none
+    compile_workers: int = 0               # CUDA: processes compiling the kernels while the model loads; 0: none
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
     served_model_name: str | None = None
@@ -216,7 +216,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="largest decode batch captured in a CUDA graph; larger batches run eagerly")
     parser.add_argument("--disable-prefill-cuda-graph", action="store_true",
                         help="prefill eagerly: no graphs for single-prompt chunks of up to 512 tokens (higher TTFT)")
-    parser.add_argument("--compile-workers", type=int, default=4,
+    parser.add_argument("--compile-workers", type=int, default=0,
                         help="CUDA: child processes that compile the model's kernels (into the on-disk caches) "
                         "while the weights load, so a fresh machine starts sooner; 0 compiles in the engine alone")
     parser.add_argument("--disable-overlap-schedule", action="store_true",

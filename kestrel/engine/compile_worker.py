@@ -23,7 +23,7 @@ from kestrel.models.checkpoint import load_model_config
 def run_job(job: Job) -> None:
     """Build the model's first layers and run the job's steps (on CUDA they compile its kernels)."""
     config, device = job.config, torch.device(job.device)
-    if device.type == "cuda":
+    if device.type == "cuda" and device.index is not None:   # "cuda" alone is the current device already
         torch.cuda.set_device(device)
     full = load_model_config(config.model_path)
     cfg = dataclasses.replace(full, num_layers=min(full.num_layers, WORKER_LAYERS))
