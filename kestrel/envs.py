@@ -11,8 +11,7 @@ tests that change one call `switches.cache_clear()`.
     KESTREL_PDL=1                programmatic dependent launch between decode kernels on Hopper
     KESTREL_CLUSTER_DECODE=1     the thread-block-cluster decode attention kernel for small bf16 batches on Hopper
     KESTREL_CLUSTER_DECODE_MMA=auto   its tensor-core build: auto (groups of 4 and more), 0, 1
-    KESTREL_FUSED_MOE=0          1: the fused Triton MoE kernel on CUDA (kernels/triton/fused_moe.py); off until it has
-                                 been checked and timed on a GPU (tested under the interpreter only)
+    KESTREL_FUSED_MOE=1          0: the torch experts instead of the fused Triton MoE kernels (kernels/triton/fused_moe.py)
     CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
     XDG_CACHE_HOME=~/.cache      where NVRTC's cubins are kept between runs (kestrel/nvrtc), beside other tools'
 """
@@ -54,7 +53,7 @@ class DevSwitches:
     pdl: bool = True
     cluster_decode: bool = True
     cluster_decode_mma: str = "auto"
-    fused_moe: bool = False
+    fused_moe: bool = True
     cuda_home: str = "/usr/local/cuda"
 
 
@@ -67,7 +66,7 @@ def switches() -> DevSwitches:
         pdl=_flag("KESTREL_PDL", True),
         cluster_decode=_flag("KESTREL_CLUSTER_DECODE", True),
         cluster_decode_mma=_choice("KESTREL_CLUSTER_DECODE_MMA", "auto", ("auto", "0", "1")),
-        fused_moe=_flag("KESTREL_FUSED_MOE", False),
+        fused_moe=_flag("KESTREL_FUSED_MOE", True),
         cuda_home=os.environ.get("CUDA_HOME", "/usr/local/cuda"),
     )
 

@@ -14,9 +14,6 @@
 #   --dry-run            print each command instead of running it (tests/test_moe_bench.py checks the order)
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
-# The fused Triton MoE is a dev switch (kestrel/envs.py), off by default until these figures exist; without it the
-# decode graphs run every expert densely. The tests set it per engine themselves.
-export KESTREL_FUSED_MOE=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
 ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"

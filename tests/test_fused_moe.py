@@ -140,7 +140,7 @@ def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tm
     torch.testing.assert_close(logits[1], logits[0], atol=1e-4, rtol=1e-4)
 
 
-def test_the_kernel_is_chosen_on_cuda_only_when_asked():
+def test_the_kernel_is_chosen_on_cuda_unless_switched_off():
     from kestrel.envs import DevSwitches
     from kestrel.kernels.triton.fused_moe import fused_experts_triton
     from kestrel.layers.ops import choose_layer_ops
@@ -154,11 +154,11 @@ def test_the_kernel_is_chosen_on_cuda_only_when_asked():
     cuda = torch.device("cuda")
     assert choose_layer_ops(torch.device("cpu"), Backend(), DevSwitches(fused_moe=True)).fused_moe \
         is fused_experts_torch
-    assert choose_layer_ops(cuda, Backend(), DevSwitches()).fused_moe is fused_experts_torch
-    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).fused_moe is fused_experts_triton
+    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=False)).fused_moe is fused_experts_torch
+    assert choose_layer_ops(cuda, Backend(), DevSwitches()).fused_moe is fused_experts_triton
     from kestrel.kernels.triton.moe_routing import softmax_topk_triton
-    assert choose_layer_ops(cuda, Backend(), DevSwitches()).softmax_topk is softmax_topk
-    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=True)).softmax_topk is softmax_topk_triton
+    assert choose_layer_ops(cuda, Backend(), DevSwitches(fused_moe=False)).softmax_topk is softmax_topk
+    assert choose_layer_ops(cuda, Backend(), DevSwitches()).softmax_topk is softmax_topk_triton
 
 
 @interpreted_only

@@ -12,8 +12,8 @@ no code patches a model after it is built. `TORCH_OPS` is the reference (CPU, an
                                            and attention prologue folded in; cuBLAS above)
     attn_prologue   kestrel/kernels/triton/attention_prologue.py (q/k norm + rotary + K/V write in one kernel), only with a
                                            backend that accepts K/V already in the cache
-    fused_moe       layers/moe.py's fused_experts_torch; kestrel/kernels/triton/fused_moe.py on CUDA with
-                                           KESTREL_FUSED_MOE=1 (opt-in until checked on a GPU)
+    fused_moe       layers/moe.py's fused_experts_torch; kestrel/kernels/triton/fused_moe.py on CUDA
+                                           (unless KESTREL_FUSED_MOE=0)
     softmax_topk    layers/moe.py's softmax_topk (Qwen3-MoE / Mixtral routing); kestrel/kernels/triton/
                                            moe_routing.py (one launch instead of four) with the fused MoE
 """
