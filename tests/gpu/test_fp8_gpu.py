@@ -12,6 +12,7 @@ import torch
 
 from kestrel.layers.fp8_quant import quantize_per_block, quantize_per_row
 from tests.gpu.engine_tokens import greedy_tokens
+from tests.gpu.timing import time_us
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -91,15 +92,7 @@ def test_fp8_engine_graphs_keep_eager_tokens(monkeypatch):
 
 
 def _time_us(fn, iters: int = 200) -> float:
-    for _ in range(10):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return time_us(fn, iters, warmup=10)
 
 
 def test_fp8_gemv_time_next_to_bf16(capsys):

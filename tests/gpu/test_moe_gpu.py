@@ -13,6 +13,7 @@ import torch
 
 from kestrel.layers.moe import fused_experts_torch
 from tests.gpu.engine_tokens import PROMPTS
+from tests.gpu.timing import time_us
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
@@ -150,15 +151,7 @@ def test_softmax_topk_kernel_matches_reference_and_replays_in_a_graph(tokens):
 
 
 def _time_us(fn, iters: int = 100) -> float:
-    for _ in range(5):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) * 1000 / iters
+    return time_us(fn, iters, warmup=5)
 
 
 def _copy_gb_s() -> float:
