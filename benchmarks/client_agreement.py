@@ -1,5 +1,7 @@
 """`kestrel bench serve` against an independent, well-known client on the same server and workload: GuideLLM
-(vllm-project/guidellm, `pip install guidellm`), runs alternating so that drift hits both alike.
+(vllm-project/guidellm, `pip install guidellm`), runs alternating so that drift hits both alike. On a machine
+without network, carry its wheels (GuideLLM 0.8.1 and what the GPU image lacks, ~6 MB: `pip download --no-deps`
+each into a git-ignored folder) and install them with `--no-deps --target`.
 
     python -m benchmarks.client_agreement --base-url http://127.0.0.1:8000 --guidellm /path/to/guidellm \\
         --tokenizer MODEL_DIR [--concurrency 1,4] [--input-len 128] [--output-len 128] [--num-prompts 16] \\
@@ -16,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
 import statistics
 import subprocess
 import sys
@@ -38,7 +41,7 @@ def kestrel_run(base_url: str, concurrency: int, args: argparse.Namespace, out: 
 
 def guidellm_run(base_url: str, model: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     profile = "kind=synchronous" if concurrency == 1 else f"kind=concurrent,streams={concurrency}"
-    subprocess.run([args.guidellm, "run",
+    subprocess.run([*shlex.split(args.guidellm), "run",
                     "--backend", f"kind=openai_http,target={base_url},model={model},request_format=/v1/completions",
                     "--profile", profile,
                     "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
@@ -57,7 +60,8 @@ def guidellm_run(base_url: str, model: str, concurrency: int, args: argparse.Nam
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--base-url", required=True)
-    ap.add_argument("--guidellm", required=True, help="the guidellm executable")
+    ap.add_argument("--guidellm", required=True,
+                    help="the guidellm command, e.g. `guidellm` or `python3 -m guidellm`")
     ap.add_argument("--tokenizer", required=True, help="the served model's tokenizer directory (for GuideLLM)")
     ap.add_argument("--model", default=None, help="default: the first model of /v1/models")
     ap.add_argument("--concurrency", default="1,4")
