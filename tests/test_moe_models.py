@@ -223,16 +223,17 @@ def test_multi_token_prediction_layer_past_the_decoder_is_skipped_at_load(moe_ch
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(moe_checkpoint(name)), [out[0].prompt_token_ids], 4)[0]
 
 
-def test_moe_models_refuse_tensor_parallelism(moe_checkpoint):
+def test_latent_attention_refuses_tensor_parallelism(moe_checkpoint):
+    """DeepSeek-V3's MLA is not sharded yet (the MoE models without it split: tests/test_tensor_parallel.py)."""
     from kestrel.models.model_config import hf_model_config
     from kestrel.models.registry import model_class
 
-    cfg = hf_model_config(moe_checkpoint("mixtral"))
+    cfg = hf_model_config(moe_checkpoint("deepseek_v3"))
 
     class TwoRanks:
         size, rank = 2, 0
 
-    with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
+    with pytest.raises(ModelLoadError, match=r"latent attention \(MLA\) is not sharded; use --tensor-parallel-size 1"):
         model_class(cfg)(cfg, tp=TwoRanks())
 
 

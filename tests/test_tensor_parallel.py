@@ -3,7 +3,8 @@
 Each case builds the same model at TP=1 and TP=N through LLM(...), which starts the N - 1 worker processes: the
 prompt logits agree within 1e-5 and greedy generation gives identical tokens. The shapes cover an even split of
 the KV heads, KV heads replicated over ranks (fewer KV heads than ranks), a vocabulary that does not divide evenly
-(padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms."""
+(padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms; and the MoE models (Qwen3-MoE,
+Mixtral, GLM-4-MoE) with every expert's width split over the ranks."""
 from __future__ import annotations
 
 import pytest
@@ -12,6 +13,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError
+from tests.test_moe_models import moe_checkpoint  # noqa: F401  (the fixture: tiny HF MoE checkpoints)
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n",
@@ -59,6 +61,37 @@ CASES = [
                                                 for tp, c in CASES])
 def test_tp_logits_and_greedy_tokens_equal_one_rank(checkpoint_factory, tp, case):
     assert_same(str(checkpoint_factory(**case)), tp)
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
+def test_moe_tp2_logits_and_greedy_tokens_equal_one_rank(moe_checkpoint, name):
+    """Every expert on both ranks, each expert's width split, the router replicated, one all-reduce a MoE layer
+    (Qwen3-MoE with a dense layer between sparse ones; Mixtral; GLM-4-MoE with a shared expert and q/k/v bias)."""
+    assert_same(str(moe_checkpoint(name)), 2)
+
+
+def test_moe_experts_width_that_does_not_split_is_refused(moe_checkpoint, tmp_path):
+    """Before any rank starts (the driver), and by the model itself (a worker builds it with its TPGroup)."""
+    import json
+    import shutil
+
+    from kestrel.distributed.comm import TPGroup
+    from kestrel.errors import ModelLoadError
+    from kestrel.models.model_config import hf_model_config
+    from kestrel.models.registry import model_class
+
+    path = tmp_path / "odd_experts"
+    shutil.copytree(moe_checkpoint("qwen3_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, moe_intermediate_size=33)))
+    message = r"\(moe_intermediate_size\) 33 does not divide evenly over 2 ranks"
+    with pytest.raises(KestrelError, match=r"--tensor-parallel-size 2: the model cannot be split, its expert width "
+                                           + message):
+        LLM(model=str(path), device="cpu", tensor_parallel_size=2)
+    cfg = hf_model_config(path)
+    with pytest.raises(ModelLoadError, match=r"--tensor-parallel-size 2: Qwen3MoeForCausalLM cannot be split, "
+                                             r"its expert width " + message):
+        model_class(cfg)(cfg, tp=TPGroup(rank=0, size=2))
 
 
 def test_default_model_at_tp2_equals_one_rank():
