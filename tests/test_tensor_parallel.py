@@ -4,7 +4,7 @@ Each case builds the same model at TP=1 and TP=N through LLM(...), which starts 
 prompt logits agree within 1e-5 and greedy generation gives identical tokens. The shapes cover an even split of
 the KV heads, KV heads replicated over ranks (fewer KV heads than ranks), a vocabulary that does not divide evenly
 (padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms; and the MoE models (Qwen3-MoE,
-Mixtral, GLM-4-MoE) with every expert's width split over the ranks."""
+Mixtral, GLM-4-MoE, DeepSeek-V3 with its latent attention) with every expert's width split over the ranks."""
 from __future__ import annotations
 
 import pytest
@@ -13,7 +13,6 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError
-from tests.test_moe_models import moe_checkpoint  # noqa: F401  (the fixture: tiny HF MoE checkpoints)
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n",
@@ -63,11 +62,21 @@ def test_tp_logits_and_greedy_tokens_equal_one_rank(checkpoint_factory, tp, case
     assert_same(str(checkpoint_factory(**case)), tp)
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "mixtral", "glm4_moe"])
-def test_moe_tp2_logits_and_greedy_tokens_equal_one_rank(moe_checkpoint, name):
-    """Every expert on both ranks, each expert's width split, the router replicated, one all-reduce a MoE layer
-    (Qwen3-MoE with a dense layer between sparse ones; Mixtral; GLM-4-MoE with a shared expert and q/k/v bias)."""
-    assert_same(str(moe_checkpoint(name)), 2)
+MOE_CASES = [
+    (2, "qwen3_moe"),               # a dense layer between sparse ones, top-2 renormalised
+    (2, "mixtral"),
+    (4, "qwen3_moe_raw"),           # each KV head on two ranks, experts 8 wide a rank
+    (2, "glm4_moe"),                # a shared expert, q/k/v bias, q/k norm, partial rotary
+    (2, "deepseek_v3"),             # latent attention: heads split, the latent cache on every rank
+    (2, "deepseek_v3_no_q_lora"),   # q_proj instead of q_a/q_b; two shared experts
+]
+
+
+@pytest.mark.parametrize("tp,name", MOE_CASES, ids=[f"tp{tp}-{name}" for tp, name in MOE_CASES])
+def test_moe_tp_logits_and_greedy_tokens_equal_one_rank(moe_checkpoint, tp, name):
+    """Every expert on every rank, each expert's width split, the router replicated, one all-reduce a MoE
+    layer; DeepSeek's latent attention with its heads split."""
+    assert_same(str(moe_checkpoint(name)), tp)
 
 
 def test_moe_experts_width_that_does_not_split_is_refused(moe_checkpoint, tmp_path):

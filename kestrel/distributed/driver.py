@@ -82,12 +82,12 @@ class Ranks:
 
 
 def why_unsplittable(cfg: ModelConfig, n: int) -> str | None:
-    """Why the model cannot be split over n ranks (None: it can): heads, MLP width, experts' width, MLA."""
-    if cfg.kv_lora_rank:
-        return f"{cfg.architecture}'s latent attention (MLA) is not sharded yet"
+    """Why the model cannot be split over n ranks (None: it can): heads, MLP width, experts' width."""
+    # MLA caches one latent head shared by all (replicated on every rank): only its query heads are split
+    kv_heads = cfg.num_heads if cfg.kv_lora_rank else cfg.num_kv_heads
     # a MoE model without dense layers never builds a dense MLP: its intermediate_size is not split (0 divides)
     dense_width = cfg.intermediate_size if not cfg.num_experts or cfg.dense_layers else 0
-    why = check_tp_shape(cfg.num_heads, cfg.num_kv_heads, dense_width, n)
+    why = check_tp_shape(cfg.num_heads, kv_heads, dense_width, n)
     if why is None and cfg.num_experts:
         why = check_moe_tp_shape(cfg.moe_intermediate_size, n)
     return why

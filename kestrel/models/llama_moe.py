@@ -14,7 +14,7 @@ into the stacked weights through `packed_modules` (layers/moe.py draws them).
 Tensor parallelism: attention as the Llama family's (heads split, one all-reduce after o_proj); the MoE block
 with every expert on every rank and each expert's width split (layers/moe.py says why not expert parallelism),
 the router replicated, shared experts split the same way, and ONE all-reduce of the block's output a layer.
-DeepSeek-V3's latent attention is not sharded yet: it refuses TP (refuse_tensor_parallel).
+GLM-4-MoE and DeepSeek-V3 (whose latent attention splits its heads: deepseek_v3.py) use the same MoEMLP.
 """
 from __future__ import annotations
 
@@ -35,13 +35,6 @@ from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding
 from kestrel.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from kestrel.models.model_config import ModelConfig
-
-
-def refuse_tensor_parallel(cfg: ModelConfig, tp: TPGroup) -> None:
-    """DeepSeek-V3's multi-head latent attention has no sharded form yet."""
-    if tp.size > 1:
-        raise ModelLoadError(f"{cfg.architecture} cannot run with --tensor-parallel-size {tp.size} yet: its latent "
-                             "attention (MLA) is not sharded; use --tensor-parallel-size 1")
 
 
 def check_experts_split(cfg: ModelConfig, tp: TPGroup) -> None:
