@@ -103,6 +103,12 @@ def test_moe_experts_width_that_does_not_split_is_refused(moe_checkpoint, tmp_pa
         model_class(cfg)(cfg, tp=TPGroup(rank=0, size=2))
 
 
+def test_latent_attention_heads_that_do_not_split_are_refused(moe_checkpoint):
+    with pytest.raises(KestrelError, match=r"--tensor-parallel-size 3: the model cannot be split, its 4 attention "
+                                           r"heads do not divide evenly over 3 ranks"):
+        LLM(model=str(moe_checkpoint("deepseek_v3")), device="cpu", tensor_parallel_size=3)
+
+
 def test_default_model_at_tp2_equals_one_rank():
     assert_same(None, 2)
 
