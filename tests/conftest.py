@@ -112,6 +112,22 @@ def checkpoint_factory(tmp_path_factory):
     return make
 
 
+@pytest.fixture(scope="session")
+def moe_checkpoint(tmp_path_factory):
+    """name -> a tiny HF MoE / MLA checkpoint of tests/test_moe_models.py's CONFIGS (written once a session: the
+    MoE model tests and the tensor-parallel tests share them)."""
+    from tests.test_moe_models import make_moe_checkpoint   # transformers' models: imported only when asked
+
+    cache: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in cache:
+            cache[name] = make_moe_checkpoint(tmp_path_factory.mktemp(f"ckpt_{name}"), name)
+        return cache[name]
+
+    return make
+
+
 @pytest.fixture(autouse=True)
 def fresh_dev_switches():
     """kestrel.envs reads the developer switches once per process; a test that sets one (monkeypatch.setenv)

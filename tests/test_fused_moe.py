@@ -57,6 +57,58 @@ def test_fused_moe_kernel_equals_torch_reference(case, path):
     torch.testing.assert_close(ours, ref, **tol)
 
 
+def rank_experts(w13: torch.Tensor, w2: torch.Tensor, rank: int, size: int):
+    """Rank `rank` of `size`'s stacked experts, loaded through their weight_loaders from per-expert checkpoint
+    tensors (gate, up: [I, H]; down: [H, I]), as the model loader puts them."""
+    from kestrel.distributed.comm import TPGroup
+    from kestrel.layers.linear import silu_and_mul_torch
+    from kestrel.layers.moe import FusedExperts
+
+    experts, two_i, hidden = w13.shape
+    inter = two_i // 2
+    layer = FusedExperts(experts, hidden, inter, fused_experts_torch, silu_and_mul_torch, TPGroup(rank=rank, size=size))
+    layer.to(w13.dtype)
+    for e in range(experts):
+        for part, rows in enumerate((w13[e, :inter], w13[e, inter:])):
+            layer.w13.weight.weight_loader(layer.w13.weight, rows, f"experts.{e}.w13", (e, part))
+        layer.w2.weight.weight_loader(layer.w2.weight, w2[e], f"experts.{e}.w2", (e, 0))
+    return layer.w13.weight.data, layer.w2.weight.data
+
+
+def ranks_summed(impl, x, w13, w2, ids, weights, size: int) -> torch.Tensor:
+    """What the all-reduce of a MoE layer returns: every rank's partial sum over its slice of each expert."""
+    return sum(impl(x, *rank_experts(w13, w2, r, size), ids, weights).float() for r in range(size))
+
+
+@pytest.mark.parametrize("size", [2, 4])
+def test_expert_width_split_over_ranks_sums_to_the_whole(size):
+    """Tensor parallelism of the experts: rank r holds rows [r I/N, (r+1) I/N) of each expert's gate and of its
+    up (aligned, so silu(gate) * up stays per rank) and the same columns of down; the partial sums add up."""
+    gen = torch.Generator().manual_seed(size)
+    x, w13, w2, ids, weights = random_problem(29, 8, 2, 64, 40, torch.float32, gen)
+    w13_r, w2_r = rank_experts(w13, w2, 1, size)
+    inter = 40 // size
+    assert w13_r.shape == (8, 2 * inter, 64) and w2_r.shape == (8, 64, inter)
+    torch.testing.assert_close(w13_r[:, :inter], w13[:, inter:2 * inter])          # gate rows of rank 1
+    torch.testing.assert_close(w13_r[:, inter:], w13[:, 40 + inter:40 + 2 * inter])  # its up rows
+    torch.testing.assert_close(ranks_summed(fused_experts_torch, x, w13, w2, ids, weights, size),
+                               fused_experts_torch(x, w13, w2, ids, weights), atol=1e-5, rtol=1e-5)
+
+
+@interpreted_only
+@pytest.mark.parametrize("path", ["tiles", "rows"])
+def test_fused_moe_kernel_on_a_ranks_slice_sums_to_the_whole(path):
+    """The kernel on each rank's narrower stacked weights (I / N = 10: off the block sizes)."""
+    from functools import partial
+
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+
+    gen = torch.Generator().manual_seed(7)
+    x, w13, w2, ids, weights = random_problem(21, 8, 2, 64, 40, torch.float32, gen)
+    torch.testing.assert_close(ranks_summed(partial(fused_experts_triton, path=path), x, w13, w2, ids, weights, 4),
+                               fused_experts_torch(x, w13, w2, ids, weights), atol=2e-5, rtol=2e-5)
+
+
 @pytest.mark.parametrize("tokens,experts,topk", [(37, 8, 2), (1, 4, 1), (64, 16, 6)])
 def test_alignment_puts_each_row_once_in_tiles_of_one_expert(tokens, experts, topk):
     from kestrel.kernels.triton.fused_moe import BLOCK_M, align_by_expert

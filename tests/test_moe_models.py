@@ -11,7 +11,6 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
-from kestrel.errors import ModelLoadError
 from kestrel.forward.batch import build_forward_batch
 from tests.conftest import make_tokenizer
 
@@ -92,18 +91,6 @@ def make_moe_checkpoint(out: Path, name: str, seed: int = 0) -> Path:
     model.save_pretrained(str(out), safe_serialization=True)
     tokenizer.save_pretrained(str(out))
     return out
-
-
-@pytest.fixture(scope="module")
-def moe_checkpoint(tmp_path_factory):
-    cache: dict[str, Path] = {}
-
-    def make(name: str) -> Path:
-        if name not in cache:
-            cache[name] = make_moe_checkpoint(tmp_path_factory.mktemp(f"ckpt_{name}"), name)
-        return cache[name]
-
-    return make
 
 
 def hf_model(path: Path):
@@ -221,19 +208,6 @@ def test_multi_token_prediction_layer_past_the_decoder_is_skipped_at_load(moe_ch
     llm = LLM(model=str(path), device="cpu")
     out = llm.generate([PROMPTS[2]], SamplingParams(max_tokens=4, temperature=0, ignore_eos=True))
     assert out[0].outputs[0].token_ids == hf_greedy(hf_model(moe_checkpoint(name)), [out[0].prompt_token_ids], 4)[0]
-
-
-def test_moe_models_refuse_tensor_parallelism(moe_checkpoint):
-    from kestrel.models.model_config import hf_model_config
-    from kestrel.models.registry import model_class
-
-    cfg = hf_model_config(moe_checkpoint("mixtral"))
-
-    class TwoRanks:
-        size, rank = 2, 0
-
-    with pytest.raises(ModelLoadError, match="tensor-parallel-size 1"):
-        model_class(cfg)(cfg, tp=TwoRanks())
 
 
 def test_config_reads_which_layers_are_dense_and_the_latent_cache_layout(moe_checkpoint):

@@ -3,7 +3,8 @@
 Each case builds the same model at TP=1 and TP=N through LLM(...), which starts the N - 1 worker processes: the
 prompt logits agree within 1e-5 and greedy generation gives identical tokens. The shapes cover an even split of
 the KV heads, KV heads replicated over ranks (fewer KV heads than ranks), a vocabulary that does not divide evenly
-(padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms."""
+(padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms; and the MoE models (Qwen3-MoE,
+Mixtral, GLM-4-MoE, DeepSeek-V3 with its latent attention) with every expert's width split over the ranks."""
 from __future__ import annotations
 
 import pytest
@@ -59,6 +60,53 @@ CASES = [
                                                 for tp, c in CASES])
 def test_tp_logits_and_greedy_tokens_equal_one_rank(checkpoint_factory, tp, case):
     assert_same(str(checkpoint_factory(**case)), tp)
+
+
+MOE_CASES = [
+    (2, "qwen3_moe"),               # a dense layer between sparse ones, top-2 renormalised
+    (2, "mixtral"),
+    (4, "qwen3_moe_raw"),           # each KV head on two ranks, experts 8 wide a rank
+    (2, "glm4_moe"),                # a shared expert, q/k/v bias, q/k norm, partial rotary
+    (2, "deepseek_v3"),             # latent attention: heads split, the latent cache on every rank
+    (2, "deepseek_v3_no_q_lora"),   # q_proj instead of q_a/q_b; two shared experts
+]
+
+
+@pytest.mark.parametrize("tp,name", MOE_CASES, ids=[f"tp{tp}-{name}" for tp, name in MOE_CASES])
+def test_moe_tp_logits_and_greedy_tokens_equal_one_rank(moe_checkpoint, tp, name):
+    """Every expert on every rank, each expert's width split, the router replicated, one all-reduce a MoE
+    layer; DeepSeek's latent attention with its heads split."""
+    assert_same(str(moe_checkpoint(name)), tp)
+
+
+def test_moe_experts_width_that_does_not_split_is_refused(moe_checkpoint, tmp_path):
+    """Before any rank starts (the driver), and by the model itself (a worker builds it with its TPGroup)."""
+    import json
+    import shutil
+
+    from kestrel.distributed.comm import TPGroup
+    from kestrel.errors import ModelLoadError
+    from kestrel.models.model_config import hf_model_config
+    from kestrel.models.registry import model_class
+
+    path = tmp_path / "odd_experts"
+    shutil.copytree(moe_checkpoint("qwen3_moe"), path)
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps(dict(config, moe_intermediate_size=33)))
+    message = r"\(moe_intermediate_size\) 33 does not divide evenly over 2 ranks"
+    with pytest.raises(KestrelError, match=r"--tensor-parallel-size 2: the model cannot be split, its expert width "
+                                           + message):
+        LLM(model=str(path), device="cpu", tensor_parallel_size=2)
+    cfg = hf_model_config(path)
+    with pytest.raises(ModelLoadError, match=r"--tensor-parallel-size 2: Qwen3MoeForCausalLM cannot be split, "
+                                             r"its expert width " + message):
+        model_class(cfg)(cfg, tp=TPGroup(rank=0, size=2))
+
+
+def test_latent_attention_heads_that_do_not_split_are_refused(moe_checkpoint):
+    with pytest.raises(KestrelError, match=r"--tensor-parallel-size 3: the model cannot be split, its 4 attention "
+                                           r"heads do not divide evenly over 3 ranks"):
+        LLM(model=str(moe_checkpoint("deepseek_v3")), device="cpu", tensor_parallel_size=3)
 
 
 def test_default_model_at_tp2_equals_one_rank():

@@ -25,7 +25,9 @@ from kestrel.errors import KestrelError
 from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.forward.runner import ModelRunner
 from kestrel.layers.linear import check_tp_shape
+from kestrel.layers.moe import check_moe_tp_shape
 from kestrel.models.checkpoint import load_model_config
+from kestrel.models.model_config import ModelConfig
 from kestrel.progress import Progress
 
 logger = logging.getLogger("kestrel.distributed")
@@ -43,9 +45,7 @@ class Ranks:
     def __init__(self, config: EngineConfig, progress: Progress, on_failure: OnFailure | None = None) -> None:
         n = config.tensor_parallel_size
         cfg = load_model_config(config.model_path)
-        why = check_tp_shape(cfg.num_heads, cfg.num_kv_heads, cfg.intermediate_size, n)
-        if cfg.num_experts or cfg.kv_lora_rank:   # before any worker starts (the model refuses it too)
-            why = f"{cfg.architecture}'s experts and latent attention are not sharded yet"
+        why = why_unsplittable(cfg, n)   # before any worker starts (the model refuses it too)
         if why is not None:
             raise KestrelError(f"--tensor-parallel-size {n}: the model cannot be split, {why}")
         rdv = rendezvous_of(config)
@@ -79,6 +79,18 @@ class Ranks:
         self.watch.stop()
         stop_workers(self.procs)
         leave_group()
+
+
+def why_unsplittable(cfg: ModelConfig, n: int) -> str | None:
+    """Why the model cannot be split over n ranks (None: it can): heads, MLP width, experts' width."""
+    # MLA caches one latent head shared by all (replicated on every rank): only its query heads are split
+    kv_heads = cfg.num_heads if cfg.kv_lora_rank else cfg.num_kv_heads
+    # a MoE model without dense layers never builds a dense MLP: its intermediate_size is not split (0 divides)
+    dense_width = cfg.intermediate_size if not cfg.num_experts or cfg.dense_layers else 0
+    why = check_tp_shape(cfg.num_heads, kv_heads, dense_width, n)
+    if why is None and cfg.num_experts:
+        why = check_moe_tp_shape(cfg.moe_intermediate_size, n)
+    return why
 
 
 def _device_type(config: EngineConfig) -> str:

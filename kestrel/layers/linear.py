@@ -215,18 +215,26 @@ class ColumnParallelLinear(LinearBase):
 
 
 class RowParallelLinear(LinearBase):
-    """Input features split across ranks; each rank's partial sums are all-reduced (one rank: nothing to do)."""
+    """Input features split across ranks; each rank's partial sums are all-reduced (one rank: nothing to do).
+
+    reduce_results=False leaves the partial sums to the caller, who adds them to other partial sums first and
+    all-reduces once: a MoE layer's shared experts join its routed experts' output before the layer's one
+    all-reduce (models/llama_moe.py)."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool = False, tp: TPGroup = SINGLE,
-                 method: LinearMethod = PLAIN) -> None:
+                 method: LinearMethod = PLAIN, reduce_results: bool = True) -> None:
         super().__init__(in_features // tp.size, out_features, bias, 1, tp, method)
+        self.reduce_results = reduce_results
+
+    def reduce(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.tp.all_reduce(partial) if self.reduce_results else partial
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply(self, x))
+        return self.reduce(self.method.apply(self, x))
 
     def silu_forward(self, gate_up: torch.Tensor, silu_and_mul: Callable[[torch.Tensor], torch.Tensor]
                      ) -> torch.Tensor:
-        return self.tp.all_reduce(self.method.apply_silu(self, gate_up, silu_and_mul))
+        return self.reduce(self.method.apply_silu(self, gate_up, silu_and_mul))
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):

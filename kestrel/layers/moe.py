@@ -19,6 +19,23 @@ precise of the two), so the experts chosen do not flip with the activation dtype
 
 The expert computation is a function chosen when the model is built (LayerOps.fused_moe): `fused_experts_torch`
 below is the CPU road and the oracle; a fused Triton MoE kernel plugs in there on CUDA with the same arguments.
+
+Tensor parallelism (vLLM's default for MoE): every rank holds every expert, and each expert's intermediate
+dimension is split over the ranks, as a dense MLP's is (layers/linear.py). On rank r of N, with I_r = I / N:
+
+    w13.weight: [E, 2 I_r, H]   expert e's rows: gate rows [r I_r, (r+1) I_r) | up rows, the same range
+    w2.weight:  [E, H, I_r]     expert e's columns [r I_r, (r+1) I_r)
+
+Gate and up are cut at the same rows, so silu(gate) * up stays elementwise on each rank's slice. The router is
+replicated and runs on every rank on the same (all-reduced) hidden states, so every rank picks the same experts
+with the same weights; each rank's expert output is a partial sum over its slice of I, and the layer sums them
+with one all-reduce (SparseMoE leaves that to its caller, so shared experts join the partial sums first).
+
+Why not split the experts themselves over the ranks (expert parallelism): tokens would have to travel to the
+rank that holds their experts and back (two all-to-alls a layer), and a rank's work would follow how many tokens
+the router sends to its experts, so the busiest rank sets the pace. Splitting every expert's width keeps every
+rank's work equal whatever the routing, needs only the all-reduce a dense MLP has, and runs the same kernels
+(torch or Triton) on narrower stacked weights.
 """
 from __future__ import annotations
 
@@ -29,7 +46,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kestrel.layers.linear import _copy_checked, silu_and_mul_torch
+from kestrel.distributed.comm import SINGLE, TPGroup
+from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
 
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H]
 ExpertsImpl = Callable[..., torch.Tensor]
@@ -117,21 +135,45 @@ def _experts_dense(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_id
     return out.to(x.dtype)
 
 
-class StackedWeight(nn.Module):
-    """One [E, rows, cols] weight filled one expert (and one part of an expert's rows) at a time; a checkpoint
-    tensor arrives with shard id (expert, part): rows [part * rows / parts, (part + 1) * rows / parts)."""
+def check_moe_tp_shape(moe_intermediate_size: int, tp_size: int) -> str | None:
+    """Why a model's experts cannot be split over tp_size ranks (None: they can)."""
+    if moe_intermediate_size % tp_size:
+        return (f"its expert width (moe_intermediate_size) {moe_intermediate_size} does not divide evenly over "
+                f"{tp_size} ranks")
+    return None
 
-    def __init__(self, num_experts: int, rows: int, cols: int, parts: int) -> None:
+
+class StackedWeight(nn.Module):
+    """One [E, rows, cols] weight (this rank's slice of every expert) filled one expert, and one part of an
+    expert's rows, at a time. A checkpoint tensor [rows / parts, cols] (whole: every rank reads the same file)
+    arrives with shard id (expert, part) and lands in rows [part * rows_r / parts, (part + 1) * rows_r / parts)
+    of expert `expert`, cut along `tp_dim` as the dense linears cut theirs (layers/linear.py: Placement):
+
+        tp_dim 0 (w13, column-parallel)  this rank's rows of each part: gate and up shards stay aligned
+        tp_dim 1 (w2, row-parallel)      this rank's columns
+    """
+
+    def __init__(self, num_experts: int, rows: int, cols: int, parts: int, tp_dim: int,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.parts = parts
-        self.weight = nn.Parameter(torch.empty(num_experts, rows, cols), requires_grad=False)
+        self.parts, self.tp_dim, self.tp_rank, self.tp_size = parts, tp_dim, tp.rank, tp.size
+        shape = (rows // tp.size, cols) if tp_dim == 0 else (rows, cols // tp.size)
+        self.weight = nn.Parameter(torch.empty(num_experts, *shape), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+
+    def placement(self, part: int) -> Placement:
+        """Where this rank's slice of part `part` of one expert's checkpoint tensor goes in that expert's rows."""
+        rows, cols = self.weight.shape[1:]
+        if self.tp_dim == 1:
+            return Placement(1, 0, self.tp_rank * cols, cols, cols * self.tp_size)
+        size = rows // self.parts
+        return Placement(0, part * size, self.tp_rank * size, size, size * self.tp_size)
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, name: str = "?",
                       shard_id: tuple[int, int] = (0, 0)) -> None:
         expert, part = shard_id
-        size = param.shape[1] // self.parts
-        _copy_checked(param.data[expert].narrow(0, part * size, size), loaded, name)
+        place = self.placement(part)
+        _copy_checked(place_slice(param.data[expert], place), take_slice(loaded, place, name), name)
 
 
 def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> dict[str, tuple[str, tuple[int, int]]]:
@@ -146,11 +188,14 @@ def expert_weight_names(num_experts: int, gate: str, up: str, down: str) -> dict
 
 
 class FusedExperts(nn.Module):
+    """The stacked experts, this rank's slice of each expert's width (intermediate_size is the full width); the
+    output is this rank's partial sum (all of it with one rank)."""
+
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: ExpertsImpl,
-                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> None:
+                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.w13 = StackedWeight(num_experts, 2 * intermediate_size, hidden_size, parts=2)
-        self.w2 = StackedWeight(num_experts, hidden_size, intermediate_size, parts=1)
+        self.w13 = StackedWeight(num_experts, 2 * intermediate_size, hidden_size, parts=2, tp_dim=0, tp=tp)
+        self.w2 = StackedWeight(num_experts, hidden_size, intermediate_size, parts=1, tp_dim=1, tp=tp)
         self.impl = impl
         self.silu_and_mul = silu_and_mul
 
@@ -179,14 +224,19 @@ class Router(nn.Module):
 
 class SparseMoE(nn.Module):
     """Router + stacked experts on already-normalised hidden states [T, H] -> [T, H]. `route` turns the router's
-    float32 logits into a Routing (softmax_topk or grouped_sigmoid_topk with the model's settings bound)."""
+    float32 logits into a Routing (softmax_topk or grouped_sigmoid_topk with the model's settings bound).
+
+    Under tensor parallelism the router is whole on every rank (same input, same experts chosen everywhere) and
+    forward returns this rank's partial sum, unreduced: the caller all-reduces once per layer, after adding any
+    shared experts' partial sums (models/llama_moe.py: MoEMLP)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  route: Callable[[torch.Tensor, Router], Routing], impl: ExpertsImpl,
-                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor], correction_bias: bool = False) -> None:
+                 silu_and_mul: Callable[[torch.Tensor], torch.Tensor], correction_bias: bool = False,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
         self.gate = Router(num_experts, hidden_size, correction_bias)
-        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, impl, silu_and_mul)
+        self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, impl, silu_and_mul, tp)
         self.route = route
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -12,8 +12,19 @@ lm_head).
 
 YaRN rope scaling (DeepSeek-V3's released config) scales the rotary table (layers/rotary.py) and the softmax
 (`softmax_scale`). Not yet: the multi-token-prediction layer (num_nextn_predict_layers: its weights sit past
-num_hidden_layers and are skipped at load; a drafter for speculative decoding later), tensor parallelism
-(refused), FP8 block-quantized checkpoints (the released weights; the FP8 work's linear methods).
+num_hidden_layers and are skipped at load; a drafter for speculative decoding later), FP8 block-quantized
+checkpoints (the released weights; the FP8 work's linear methods).
+
+Tensor parallelism splits the attention heads, as vLLM does for MLA. On rank r of N (H heads, H_r = H / N):
+
+    q_a_proj, kv_a_proj_with_mqa   replicated: the latents are shared by every head, so every rank computes them
+    q_b_proj (q_proj), kv_b_proj   column-parallel: rows are per head, rank r keeps heads [r H_r, (r+1) H_r)
+    o_proj                         row-parallel: its columns are per head; one all-reduce
+    latent cache                   replicated: every rank writes the same c_kv | k_pe (one shared head, nothing
+                                   per head to split) and reads it with its own heads' W_UK / W_UV
+
+The MoE block splits as Qwen3-MoE's (models/llama_moe.py: every expert's width and the shared experts', one
+all-reduce), the dense layers as the Llama family's MLP.
 """
 from __future__ import annotations
 
@@ -32,7 +43,7 @@ from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding, yarn_mscale
 from kestrel.models.llama import MLP, LlamaForCausalLM
-from kestrel.models.llama_moe import MoEMLP, is_past_last_layer, refuse_tensor_parallel
+from kestrel.models.llama_moe import MoEMLP, is_past_last_layer
 from kestrel.models.model_config import ModelConfig
 
 LATENT_NORM_EPS = 1e-6   # q_a_layernorm and kv_a_layernorm use DeepSeek's default eps, not rms_norm_eps
@@ -47,9 +58,9 @@ def softmax_scale(qk_dim: int, rope_scaling: dict | None) -> float:
 
 
 class MLAttention(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.num_heads = cfg.num_heads
+        self.num_heads = cfg.num_heads // tp.size   # this rank's heads (the module docstring draws the split)
         self.nope, self.rope, self.v_dim = cfg.qk_nope_head_dim, cfg.qk_rope_head_dim, cfg.v_head_dim
         self.kv_lora_rank = cfg.kv_lora_rank
         qk_dim = self.nope + self.rope
@@ -57,15 +68,16 @@ class MLAttention(nn.Module):
         if cfg.q_lora_rank is not None:
             self.q_a_proj = ColumnParallelLinear(cfg.hidden_size, cfg.q_lora_rank, cfg.qkv_bias, method=method)
             self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS, ops.rms_norm)
-            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, self.num_heads * qk_dim, method=method)
+            self.q_b_proj = ColumnParallelLinear(cfg.q_lora_rank, cfg.num_heads * qk_dim, tp=tp, method=method)
         else:
-            self.q_proj = ColumnParallelLinear(cfg.hidden_size, self.num_heads * qk_dim, method=method)
+            self.q_proj = ColumnParallelLinear(cfg.hidden_size, cfg.num_heads * qk_dim, tp=tp, method=method)
         self.kv_a_proj_with_mqa = ColumnParallelLinear(cfg.hidden_size, self.kv_lora_rank + self.rope,
                                                        cfg.qkv_bias, method=method)
         self.kv_a_layernorm = RMSNorm(self.kv_lora_rank, LATENT_NORM_EPS, ops.rms_norm)
-        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, self.num_heads * (self.nope + self.v_dim),
+        self.kv_b_proj = ColumnParallelLinear(self.kv_lora_rank, cfg.num_heads * (self.nope + self.v_dim), tp=tp,
                                               method=method)
-        self.o_proj = RowParallelLinear(self.num_heads * self.v_dim, cfg.hidden_size, cfg.qkv_bias, method=method)
+        self.o_proj = RowParallelLinear(cfg.num_heads * self.v_dim, cfg.hidden_size, cfg.qkv_bias, tp=tp,
+                                        method=method)
         self.q_lora = cfg.q_lora_rank is not None
         self.interleaved = cfg.rope_interleave
         self.rotary = rotary   # the model's table, rope dims wide (shared, not a child module)
@@ -96,9 +108,10 @@ class MLAttention(nn.Module):
 
 
 class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module) -> None:
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module,
+                 tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = MLAttention(cfg, rotary, ops)
+        self.self_attn = MLAttention(cfg, rotary, ops, tp)
         self.mlp = mlp
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
@@ -117,7 +130,6 @@ def grouped_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routi
 
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
-        refuse_tensor_parallel(cfg, tp)
         super().__init__(cfg, ops, tp)
         # experts first (the loader takes the first fragment a name contains); only gate|up are merged: DeepSeek
         # has no q/k/v projections ("q_proj" is its own layer when q_lora_rank is None)
@@ -130,7 +142,7 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
         if index in cfg.dense_layers:
-            mlp: nn.Module = MLP(cfg, ops)
+            mlp: nn.Module = MLP(cfg, ops, tp)
         else:
-            mlp = MoEMLP(cfg, ops, partial(grouped_route, cfg), correction_bias=True)
-        return DeepseekDecoderLayer(cfg, rotary, ops, mlp)
+            mlp = MoEMLP(cfg, ops, partial(grouped_route, cfg), correction_bias=True, tp=tp)
+        return DeepseekDecoderLayer(cfg, rotary, ops, mlp, tp)

@@ -6,7 +6,9 @@ the first first_k_dense_replace layers dense).
 
 The fused attention prologue (CUDA) assumes a rotary table as wide as the head, so this model's attention is
 built without it; rotary runs through the table's own op on the rotated slice.
-The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load. Tensor parallelism is refused.
+The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load. Tensor parallelism as Qwen3-MoE's
+(models/llama_moe.py): attention heads split, experts and shared experts split along their width, one
+all-reduce of the MoE block's output a layer.
 """
 from __future__ import annotations
 
@@ -21,13 +23,12 @@ from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
 from kestrel.models.deepseek_v3 import grouped_route
 from kestrel.models.llama import DecoderLayer, LlamaForCausalLM
-from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, is_past_last_layer, refuse_tensor_parallel
+from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, is_past_last_layer
 from kestrel.models.model_config import ModelConfig
 
 
 class Glm4MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
-        refuse_tensor_parallel(cfg, tp)
         super().__init__(cfg, ops, tp)
         # experts first: the loader takes the first fragment a name contains, and "gate_proj" is in both
         self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
@@ -49,4 +50,4 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
         if index in cfg.dense_layers:
             return DecoderLayer(cfg, rotary, ops, tp)
         return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(grouped_route, cfg),
-                                                        correction_bias=True))
+                                                        correction_bias=True, tp=tp), tp=tp)

@@ -86,12 +86,14 @@ class Attention(nn.Module):
 
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup = SINGLE,
-                 intermediate_size: int | None = None) -> None:
+                 intermediate_size: int | None = None, reduce_results: bool = True) -> None:
         super().__init__()
         width = intermediate_size or cfg.intermediate_size   # DeepSeek's shared experts are narrower
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [width] * 2, tp=tp,
                                                        method=ops.linear_method)
-        self.down_proj = RowParallelLinear(width, cfg.hidden_size, tp=tp, method=ops.linear_method)
+        # reduce_results=False: partial sums, for a MoE layer's shared experts (reduced with the routed ones)
+        self.down_proj = RowParallelLinear(width, cfg.hidden_size, tp=tp, method=ops.linear_method,
+                                           reduce_results=reduce_results)
         self.silu_and_mul = ops.silu_and_mul
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm

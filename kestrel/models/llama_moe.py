@@ -11,7 +11,10 @@ Checkpoint names: Qwen3-MoE mlp.gate.weight, mlp.experts.{e}.{gate,up,down}_proj
 block_sparse_moe.gate.weight, block_sparse_moe.experts.{e}.{w1,w3,w2}.weight (gate, up, down); the experts go
 into the stacked weights through `packed_modules` (layers/moe.py draws them).
 
-Tensor parallelism is refused: experts are not sharded yet (expert or tensor parallelism of the stacked weights).
+Tensor parallelism: attention as the Llama family's (heads split, one all-reduce after o_proj); the MoE block
+with every expert on every rank and each expert's width split (layers/moe.py says why not expert parallelism),
+the router replicated, shared experts split the same way, and ONE all-reduce of the block's output a layer.
+GLM-4-MoE and DeepSeek-V3 (whose latent attention splits its heads: deepseek_v3.py) use the same MoEMLP.
 """
 from __future__ import annotations
 
@@ -26,7 +29,7 @@ from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
 from kestrel.forward.batch import ForwardBatch
-from kestrel.layers.moe import Router, Routing, SparseMoE, expert_weight_names
+from kestrel.layers.moe import Router, Routing, SparseMoE, check_moe_tp_shape, expert_weight_names
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding
@@ -34,10 +37,11 @@ from kestrel.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
 from kestrel.models.model_config import ModelConfig
 
 
-def refuse_tensor_parallel(cfg: ModelConfig, tp: TPGroup) -> None:
-    if tp.size > 1:
-        raise ModelLoadError(f"{cfg.architecture} cannot run with --tensor-parallel-size {tp.size} yet: its experts "
-                             "(and DeepSeek's latent attention) are not sharded; use --tensor-parallel-size 1")
+def check_experts_split(cfg: ModelConfig, tp: TPGroup) -> None:
+    """Refuse a TP size that does not divide the experts' width (each rank holds an equal slice of it)."""
+    why = check_moe_tp_shape(cfg.moe_intermediate_size, tp.size)
+    if why is not None:
+        raise ModelLoadError(f"--tensor-parallel-size {tp.size}: {cfg.architecture} cannot be split, {why}")
 
 
 def is_past_last_layer(name: str, num_layers: int) -> bool:
@@ -48,15 +52,22 @@ def is_past_last_layer(name: str, num_layers: int) -> bool:
 
 
 class MoEMLP(SparseMoE):
-    """The MLP slot of a sparse layer: (moe(norm(hidden + residual)) [+ shared experts], hidden + residual)."""
+    """The MLP slot of a sparse layer: (moe(norm(hidden + residual)) [+ shared experts], hidden + residual).
+
+    Under tensor parallelism the routed experts and the shared experts each give this rank's partial sum (both
+    split along their width); they are added first and all-reduced once, so a layer costs one all-reduce here
+    as a dense MLP does."""
 
     def __init__(self, cfg: ModelConfig, ops: LayerOps, route: Callable[[torch.Tensor, Router], Routing],
-                 correction_bias: bool = False) -> None:
+                 correction_bias: bool = False, tp: TPGroup = SINGLE) -> None:
+        check_experts_split(cfg, tp)
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, route, ops.fused_moe,
-                         ops.silu_and_mul, correction_bias)
-        # DeepSeek: an always-on MLP beside the routed experts, as wide as n_shared experts together
-        self.shared_experts = MLP(cfg, ops, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts) \
-            if cfg.n_shared_experts else None
+                         ops.silu_and_mul, correction_bias, tp)
+        self.tp = tp
+        # DeepSeek: an always-on MLP beside the routed experts, as wide as n_shared experts together; its
+        # down_proj leaves its partial sums unreduced, for the one all-reduce below
+        self.shared_experts = MLP(cfg, ops, tp, intermediate_size=cfg.moe_intermediate_size * cfg.n_shared_experts,
+                                  reduce_results=False) if cfg.n_shared_experts else None
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
                 ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -65,16 +76,16 @@ class MoEMLP(SparseMoE):
         if self.shared_experts is not None:
             shared = self.shared_experts
             out = out + shared.down_proj(shared.silu_and_mul(shared.gate_up_proj(x)))
-        return out, residual
+        return self.tp.all_reduce(out), residual
 
 
 class MoeDecoderLayer(nn.Module):
     """A Llama decoder layer whose MLP slot (named as the checkpoint names it) holds `mlp`."""
 
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module,
-                 mlp_name: str = "mlp") -> None:
+                 mlp_name: str = "mlp", tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, ops)
+        self.self_attn = Attention(cfg, rotary, ops, tp)
         self.mlp_name = mlp_name
         self.add_module(mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
@@ -94,7 +105,6 @@ def _softmax_route(cfg: ModelConfig, route: Callable[[torch.Tensor, int, bool], 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
-        refuse_tensor_parallel(cfg, tp)
         super().__init__(cfg, ops, tp)
         # experts first: the loader takes the first fragment a name contains, and "gate_proj" is in both
         self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
@@ -104,12 +114,12 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
                    tp: TPGroup) -> nn.Module:
         if index in cfg.dense_layers:
             return DecoderLayer(cfg, rotary, ops, tp)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk)))
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk),
+                                                        tp=tp), tp=tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
-        refuse_tensor_parallel(cfg, tp)
         super().__init__(cfg, ops, tp)
         self.packed_modules = {**expert_weight_names(cfg.num_experts, "w1", "w3", "w2"),
                                **LlamaForCausalLM.packed_modules}
@@ -117,4 +127,5 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
         route = partial(_softmax_route, cfg, ops.softmax_topk)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route), mlp_name="block_sparse_moe")
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route, tp=tp), mlp_name="block_sparse_moe",
+                               tp=tp)
