@@ -76,3 +76,10 @@ class AttentionBackend(ABC):
     def supports_tree_mask(self) -> bool:
         """True if forward() honours batch.tree_mask (tree verify steps); the engine builds none for others."""
         return False
+
+    def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
+                      scale: float) -> torch.Tensor | None:
+        """MLA's absorbed decode (attention/mla.py) as this backend's kernel: q [S, H, kv_lora + rope] over the
+        latent cache [num_blocks, block_size, 1, kv_lora + rope] -> [S, H, kv_lora + rope], its first kv_lora
+        dims the attention. None where the backend has no such kernel for q's device: mla.py's torch road runs."""
+        return None

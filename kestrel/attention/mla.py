@@ -26,13 +26,18 @@ Two forms of the same attention, chosen per step by its longest query:
   width nope + rope instead of kv_lora + rope, which is what a long query pays for.
 
 Both run through the paged torch reference (attention/torch_ref.py), so prefix hits, chunked prefill and tree
-masks take their usual paths; tests/test_mla.py holds the two forms equal. A latent-cache GPU kernel replaces
-`LatentAttention`.
+masks take their usual paths; tests/test_mla.py holds the two forms equal.
+
+On CUDA with the triton backend the absorbed decode's MQA is its split-K decode kernel instead
+(AttentionBackend.latent_decode, kernels/triton/latent_decode.py): one launch, no host reads, so the decode CUDA
+graphs capture MLA models. The up-projected form stays torch and reads block ids on the host, which is why MLA
+models run prefill and verify steps eagerly (engine/startup.py).
 """
 from __future__ import annotations
 
 import torch
 
+from kestrel.attention.base import AttentionBackend
 from kestrel.attention.torch_ref import TorchAttentionBackend, paged_attention
 from kestrel.forward.batch import ForwardBatch
 
@@ -48,8 +53,20 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
 
 def write_latent(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
     """entry [T, kv_lora_rank + rope] into each token's flat slot; slot -1 (padding) is skipped."""
+    if latent_cache.is_cuda:   # boolean indexing reads the mask's count on the host: no CUDA graph holds it
+        write_latent_by_kernel(entry, latent_cache, slot_mapping)
+        return
     keep = slot_mapping >= 0
     latent_cache.view(-1, latent_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(latent_cache.dtype)
+
+
+def write_latent_by_kernel(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+    """write_latent through the K/V store kernel, which skips slot -1 on the device (no host sync). "K" and "V"
+    are the same row into the same cache: the second write repeats the first (a token's row, not the context)."""
+    from kestrel.kernels.triton.paged_attention import store_kv
+
+    rows = entry.to(latent_cache.dtype)[:, None]
+    store_kv(rows, rows, latent_cache, latent_cache, slot_mapping)
 
 
 class LatentAttention:
@@ -61,19 +78,24 @@ class LatentAttention:
         self.paged = TorchAttentionBackend()   # the absorbed form's MQA: keys and values are the same tensor
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                latent_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+                latent_cache: torch.Tensor, batch: ForwardBatch,
+                backend: AttentionBackend | None = None) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), w_uk [H, nope, kv_lora], w_uv [H, v, kv_lora]
-        -> attention output [T, H, v]."""
+        -> attention output [T, H, v]. backend: the runner's; its latent_decode kernel, if any, runs the
+        absorbed decode's MQA (batch.max_query_len is a host int: choosing the form reads nothing back)."""
         if batch.max_query_len > 1:
             return self.up_projected(q_nope, q_pe, w_uk, w_uv, latent_cache, batch)
-        return self.absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, batch)
+        return self.absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, batch, backend)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                 latent_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+                 latent_cache: torch.Tensor, batch: ForwardBatch,
+                 backend: AttentionBackend | None = None) -> torch.Tensor:
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)
         # values = the whole cached entry; its rope tail comes out as junk dims and is dropped
-        out = self.paged.forward(q, None, None, latent_cache, latent_cache, batch, self.scale)
+        out = None if backend is None else backend.latent_decode(q, latent_cache, batch, self.scale)
+        if out is None:   # no kernel for this device: the paged torch reference (the CPU road and the oracle)
+            out = self.paged.forward(q, None, None, latent_cache, latent_cache, batch, self.scale)
         return torch.einsum("thr,hvr->thv", out[..., :self.kv_lora_rank], w_uv)
 
     def up_projected(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,

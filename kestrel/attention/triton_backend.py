@@ -4,7 +4,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.kernels.cuda import cluster_decode
-from kestrel.kernels.triton import paged_attention, paged_decode
+from kestrel.kernels.triton import latent_decode, paged_attention, paged_decode
 from kestrel.attention.base import AttentionBackend
 from kestrel.forward.batch import ForwardBatch
 
@@ -54,6 +54,24 @@ class TritonAttentionBackend(AttentionBackend):
                                                    partials=partials)
         return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale, batch.tree_mask)
+
+    def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
+                      scale: float) -> torch.Tensor | None:
+        """The absorbed MLA decode through the split-K kernel (kernels/triton/latent_decode.py), with the same
+        graph-static scratch as K/V decode (an MLA model runs no K/V attention, so its layers are the only users).
+        On CPU tensors the kernel runs only under Triton's interpreter, which the tests call directly: the engine's
+        CPU road stays torch."""
+        if q.device.type != "cuda":
+            return None
+        return self.latent_decode_on_any_device(q, latent_cache, batch, scale)
+
+    def latent_decode_on_any_device(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
+                                    scale: float) -> torch.Tensor:
+        assert batch.is_decode and q.shape[0] == batch.num_seqs, "the absorbed decode takes one query a sequence"
+        num_seqs, num_heads, width = q.shape
+        partials = self._decode_partials(num_seqs, num_heads, latent_decode.head_groups(num_heads), width, q.device)
+        return latent_decode.latent_decode_attention(q, latent_cache, batch.block_table, batch.kv_lens, scale,
+                                                     partials=partials)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          device: torch.device) -> paged_decode.DecodeScratch | None:

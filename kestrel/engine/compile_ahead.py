@@ -132,7 +132,7 @@ def start_compile_ahead(config: EngineConfig, cfg: ModelConfig, device: torch.de
     """Start the workers, when they can help and fit: CUDA with graphs, one rank, and device memory for the model
     and every worker at once (fewer workers where only some fit)."""
     if device.type != "cuda" or config.compile_workers == 0 or config.disable_cuda_graph or tp.size > 1 \
-            or cfg.kv_lora_rank:   # latent attention runs without graphs for now (startup.py)
+            or cfg.kv_lora_rank:   # MLA captures decode graphs only (startup.py); the workers plan both
         return None
     free, _ = torch.cuda.mem_get_info(device)
     weights = model_bytes(config, cfg, 2)

@@ -10,6 +10,7 @@ on the smallest answer, so they keep taking the same roads.
 """
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 from dataclasses import dataclass
@@ -144,20 +145,18 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                 num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype, tp.size) / 1e9)
 
     drafter_graphs = None
-    # MLA attends through the torch reference (attention/mla.py), whose prefill reads lengths on the host: no
-    # graphs for it until its kernel exists
     graphs = device.type == "cuda" and not config.disable_cuda_graph
-    if graphs and cfg.kv_lora_rank:
-        logger.warning("%s: CUDA graphs off (latent attention runs as torch code for now)", cfg.architecture)
-        graphs = False
     if graphs:
         from kestrel.forward.decode_graphs import capture_graphs
-        capture_graphs(runner, config, max_model_len, progress)
+        capture_graphs(runner, latent_graph_config(config, cfg), max_model_len, progress)
         if tp.min_int(runner.graphs is not None) == 0:   # a rank fell back to eager decode: every rank does
             runner.graphs = runner.prefill_graphs = None
         elif tp.min_int(runner.prefill_graphs is not None) == 0:
             runner.prefill_graphs = None
-        if spec is not None and runner.graphs is not None:
+        if spec is not None and runner.graphs is not None and cfg.kv_lora_rank:
+            logger.warning("%s: speculative verify steps run eagerly (latent attention's multi-token form reads "
+                           "block ids on the host)", cfg.architecture)
+        elif spec is not None and runner.graphs is not None:
             from kestrel.forward.decode_graphs import capture_verify_graphs
             tree = None
             if spec.is_tree:
@@ -175,6 +174,18 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
+
+
+def latent_graph_config(config: EngineConfig, cfg: ModelConfig) -> EngineConfig:
+    """The config decode graphs are captured with. Latent attention (attention/mla.py) decodes through the triton
+    backend's kernel, which graphs capture, but its multi-token form (prefill chunks, verify steps) is torch code
+    that reads block ids on the host, so an MLA model's prefill graphs stay off (and startup skips its verify
+    graphs)."""
+    if not cfg.kv_lora_rank or config.disable_prefill_cuda_graph:
+        return config
+    logger.warning("%s: prefill CUDA graphs off (latent attention prefills eagerly: its up-projected form reads "
+                   "block ids on the host); decode graphs on", cfg.architecture)
+    return dataclasses.replace(config, disable_prefill_cuda_graph=True)
 
 
 def build_model(config: EngineConfig, cfg: ModelConfig, device: torch.device, dtype: torch.dtype,

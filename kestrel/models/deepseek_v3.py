@@ -84,8 +84,10 @@ class MLAttention(nn.Module):
         self.latent = LatentAttention(self.kv_lora_rank, softmax_scale(qk_dim, cfg.rope_scaling))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-                latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(o_proj(MLA(norm(hidden + residual))), hidden + residual); writes this step's latents."""
+                latent_cache: torch.Tensor,
+                backend: AttentionBackend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """(o_proj(MLA(norm(hidden + residual))), hidden + residual); writes this step's latents. backend: the
+        runner's, whose latent-decode kernel (if any) runs the decode steps' attention."""
         x, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -103,7 +105,8 @@ class MLAttention(nn.Module):
         # W_UK and W_UV are kv_b_proj's rows read as per-head matrices, not a call of the layer (a
         # quantized method would hand them over dequantized here).
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
-        out = self.latent.forward(q_nope, q_pe, w_kv[:, :self.nope], w_kv[:, self.nope:], latent_cache, batch)
+        out = self.latent.forward(q_nope, q_pe, w_kv[:, :self.nope], w_kv[:, self.nope:], latent_cache, batch,
+                                  backend)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), residual
 
 
@@ -118,8 +121,9 @@ class DeepseekDecoderLayer(nn.Module):
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
                 backend: AttentionBackend, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # `backend` is the runner's (K/V-shaped) attention; MLA runs its own over the latent cache
-        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, latent_cache)
+        # `backend` is the runner's (K/V-shaped) attention; MLA runs its own over the latent cache, through the
+        # backend's latent-decode kernel where it has one
+        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, latent_cache, backend)
         return self.mlp(hidden, residual, self.post_attention_layernorm)
 
 
