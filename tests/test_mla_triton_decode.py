@@ -135,6 +135,45 @@ def test_latent_write_kernel_equals_the_torch_write_and_skips_padding(width):
     assert torch.equal(cache, expected)
 
 
+@interpreted_only
+@pytest.mark.parametrize("name", ["deepseek_v3", "deepseek_v3_no_q_lora"])
+def test_deepseek_decode_steps_through_the_kernel_keep_the_torch_logits(tmp_path, name):
+    """The model's decode road wired to the kernel (the runner's backend hands MLA its latent_decode): a batch of
+    two sequences prefilled, then decode steps whose logits equal the torch road's on the same cache."""
+    from kestrel import LLM
+    from kestrel.attention.torch_ref import TorchAttentionBackend
+    from kestrel.forward.batch import build_forward_batch
+    from kestrel.kernels.triton import latent_decode
+    from tests.test_moe_models import make_moe_checkpoint
+
+    class KernelOnTheCpu(TorchAttentionBackend):
+        def latent_decode(self, q, latent_cache, batch, scale):
+            calls.append(q.shape)
+            return latent_decode.latent_decode_attention(q, latent_cache, batch.block_table, batch.kv_lens, scale,
+                                                         num_splits=2)
+
+    calls: list[torch.Size] = []
+    llm = LLM(model=str(make_moe_checkpoint(tmp_path, name)), device="cpu", block_size=BLOCK)
+    engine, runner = llm.engine, llm.engine.runner
+    prompts = [[3, 14, 15, 92, 65, 35, 89], [27, 18, 28]]
+    tables = [engine.pool.allocate(4) for _ in prompts]
+    runner.forward(build_forward_batch(prompts, [0, 0], tables, BLOCK))
+    lens = [len(p) for p in prompts]
+    torch_road = runner.backend
+    for step, toks in enumerate(([5, 17], [200, 3], [99, 42], [7, 8], [1, 2])):
+        batch = build_forward_batch([[t] for t in toks], lens, tables, BLOCK)
+        runner.backend = KernelOnTheCpu()
+        ours = runner.forward(batch).logits
+        runner.backend = torch_road
+        ref = runner.forward(batch).logits   # rewrites the same latents
+        torch.testing.assert_close(ours, ref, atol=1e-4, rtol=1e-4)
+        lens = [n + 1 for n in lens]
+    assert len(calls) == 5 * runner.cfg.num_layers, "every layer of every decode step took the kernel"
+    for t in tables:
+        engine.pool.release(t)
+    llm.shutdown()
+
+
 def test_head_groups_divide_the_heads_into_equal_programs():
     from kestrel.kernels.triton.latent_decode import head_groups
 

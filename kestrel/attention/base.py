@@ -77,6 +77,10 @@ class AttentionBackend(ABC):
         """True if forward() honours batch.tree_mask (tree verify steps); the engine builds none for others."""
         return False
 
+    def supports_latent_decode(self) -> bool:
+        """True if latent_decode runs MLA's absorbed decode on CUDA without host reads (CUDA graphs can hold it)."""
+        return False
+
     def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
                       scale: float) -> torch.Tensor | None:
         """MLA's absorbed decode (attention/mla.py) as this backend's kernel: q [S, H, kv_lora + rope] over the

@@ -55,6 +55,9 @@ class TritonAttentionBackend(AttentionBackend):
         return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
                                                batch.kv_lens, batch.max_query_len, scale, batch.tree_mask)
 
+    def supports_latent_decode(self) -> bool:
+        return True
+
     def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
                       scale: float) -> torch.Tensor | None:
         """The absorbed MLA decode through the split-K kernel (kernels/triton/latent_decode.py), with the same

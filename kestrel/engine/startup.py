@@ -146,6 +146,10 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
 
     drafter_graphs = None
     graphs = device.type == "cuda" and not config.disable_cuda_graph
+    if graphs and cfg.kv_lora_rank and not backend.supports_latent_decode():
+        logger.warning("%s: CUDA graphs off (attention backend %s has no latent-attention decode kernel; MLA runs "
+                       "as torch code, which reads lengths on the host)", cfg.architecture, backend.name)
+        graphs = False
     if graphs:
         from kestrel.forward.decode_graphs import capture_graphs
         capture_graphs(runner, latent_graph_config(config, cfg), max_model_len, progress)

@@ -191,14 +191,18 @@ def test_fused_moe_layer_times_printed(capsys):
     assert len(rows) > 3
 
 
+@pytest.mark.parametrize("road", ["torch", "triton"])
+@pytest.mark.parametrize("heads", [16, 128])
 @pytest.mark.parametrize("decode_rows", [1, 8])
-def test_mla_absorbed_decode_on_cuda_matches_the_definition(decode_rows):
-    """No Triton MLA kernel exists yet (attention/mla.py is torch code); its decode form on the GPU in bf16, at
-    DeepSeek's widths (latent 512, rope 64, nope 128, v 128, 16 heads), against the float32 definition."""
+def test_mla_absorbed_decode_on_cuda_matches_the_definition(decode_rows, heads, road):
+    """The absorbed decode form on the GPU in bf16, at DeepSeek's widths (latent 512, rope 64, nope 128, v 128;
+    16 and DeepSeek-V3's 128 heads), against the float32 definition: the torch road, and the triton backend's
+    split-K kernel over the 576-wide latent (kernels/triton/latent_decode.py, compiled: BLOCK_D 1024)."""
     from kestrel.attention.mla import LatentAttention, write_latent
+    from kestrel.attention.triton_backend import TritonAttentionBackend
     from kestrel.forward.batch import build_forward_batch
 
-    heads, nope, rope, v_dim, rank, block = 16, 128, 64, 128, 512, 16
+    nope, rope, v_dim, rank, block = 128, 64, 128, 512, 16
     g = torch.Generator(device="cuda").manual_seed(decode_rows)
     cached = [37 + 50 * i for i in range(decode_rows)]
     kv_lens = [c + 1 for c in cached]
@@ -217,7 +221,8 @@ def test_mla_absorbed_decode_on_cuda_matches_the_definition(decode_rows):
     w_uv = 0.05 * torch.randn(heads, v_dim, rank, device="cuda", generator=g)
     attn = LatentAttention(rank, (nope + rope) ** -0.5)
     bf = torch.bfloat16
-    ours = attn.absorbed(q_nope.to(bf), q_pe.to(bf), w_uk.to(bf), w_uv.to(bf), cache, batch).float()
+    backend = TritonAttentionBackend() if road == "triton" else None
+    ours = attn.absorbed(q_nope.to(bf), q_pe.to(bf), w_uk.to(bf), w_uv.to(bf), cache, batch, backend).float()
     refs = []
     for i, (table, n) in enumerate(zip(tables, kv_lens)):
         latent = torch.stack([cache[table[p // block], p % block, 0] for p in range(n)]).float()
@@ -245,21 +250,23 @@ def moe_ckpt(tmp_path_factory):
     return make
 
 
-_RUNS: dict[tuple, tuple[list[list[int]], dict]] = {}   # one engine start per (checkpoint, switch, graphs)
+_RUNS: dict[tuple, tuple[list[list[int]], dict]] = {}   # one engine start per (checkpoint, switch, graphs, backend)
 
 
-def _tokens(path: str, monkeypatch, fused: bool, graphs: bool = True) -> tuple[list[list[int]], dict]:
-    """Greedy tokens of PROMPTS, float32, with the fused MoE on or off and decode graphs on or off; and whether
-    each graph family was captured (a failed capture falls back to eager silently, so it is checked here)."""
+def _tokens(path: str, monkeypatch, fused: bool, graphs: bool = True,
+            attention_backend: str | None = None) -> tuple[list[list[int]], dict]:
+    """Greedy tokens of PROMPTS, float32, with the fused MoE on or off and decode graphs on or off (and an
+    attention backend other than the default, if named); and whether each graph family was captured (a failed
+    capture falls back to eager silently, so it is checked here)."""
     from kestrel import LLM, SamplingParams
     from kestrel.envs import switches
 
-    key = (path, fused, graphs)
+    key = (path, fused, graphs, attention_backend)
     if key not in _RUNS:
         monkeypatch.setenv("KESTREL_FUSED_MOE", "1" if fused else "0")
         switches.cache_clear()
         llm = LLM(model=path, device="cuda", dtype="float32", cuda_graph_max_bs=8, max_num_seqs=8,
-                  disable_cuda_graph=not graphs)
+                  disable_cuda_graph=not graphs, attention_backend=attention_backend)
         runner = llm.engine.runner
         info = {"graphs": runner.graphs is not None, "prefill_graphs": runner.prefill_graphs is not None}
         params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
@@ -277,7 +284,7 @@ def test_qwen3_moe_graphs_keep_eager_tokens_with_the_fused_moe(moe_ckpt, monkeyp
     launch = fused_moe.fused_experts_triton
     monkeypatch.setattr(fused_moe, "fused_experts_triton", lambda *a, **k: calls.append(1) or launch(*a, **k))
     path = moe_ckpt("qwen3_moe")
-    _RUNS.pop((path, True, True), None)   # this test counts the calls: its own start
+    _RUNS.pop((path, True, True, None), None)   # this test counts the calls: its own start
     graphs, info = _tokens(path, monkeypatch, fused=True)
     assert calls, "KESTREL_FUSED_MOE=1 did not route the experts through fused_experts_triton"
     assert info == {"graphs": True, "prefill_graphs": True}, f"a graph family fell back to eager: {info}"
@@ -295,11 +302,40 @@ def test_qwen3_moe_fused_experts_keep_the_torch_experts_tokens(moe_ckpt, monkeyp
 
 
 def test_deepseek_v3_fused_experts_keep_the_torch_experts_tokens(moe_ckpt, monkeypatch):
-    """MLA + grouped sigmoid routing + shared experts on CUDA (eager: no graphs for latent attention yet)."""
+    """MLA + grouped sigmoid routing + shared experts on CUDA, eager on both sides (the experts are the
+    difference; MLA decodes through the triton backend's kernel on both)."""
     path = moe_ckpt("deepseek_v3")
     fused, info = _tokens(path, monkeypatch, fused=True, graphs=False)
     reference, _ = _tokens(path, monkeypatch, fused=False, graphs=False)
     assert fused == reference
+
+
+def test_deepseek_v3_decode_graphs_keep_eager_tokens(moe_ckpt, monkeypatch):
+    """MLA's absorbed decode through the split-K Triton kernel, captured in the decode graphs (so nothing on that
+    road reads the device from the host: a capture that did would have fallen back to eager), gives eager's
+    tokens; prefill graphs stay off for MLA (its up-projected form reads block ids on the host)."""
+    import kestrel.kernels.triton.latent_decode as latent_decode
+
+    calls = []
+    launch = latent_decode.latent_decode_attention
+    monkeypatch.setattr(latent_decode, "latent_decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
+    path = moe_ckpt("deepseek_v3")
+    _RUNS.pop((path, True, True, None), None)   # this test counts the calls: its own start
+    graphs, info = _tokens(path, monkeypatch, fused=True)
+    assert calls, "MLA's decode did not go through the Triton latent decode on CUDA"
+    assert info == {"graphs": True, "prefill_graphs": False}, f"graphs captured: {info}"
+    eager, _ = _tokens(path, monkeypatch, fused=True, graphs=False)
+    assert graphs == eager
+
+
+def test_deepseek_v3_triton_latent_decode_keeps_the_torch_roads_tokens(moe_ckpt, monkeypatch):
+    """The kernel in the decode graphs against the torch attention backend's eager road, where MLA runs as
+    attention/mla.py's torch code (the oracle), float32."""
+    path = moe_ckpt("deepseek_v3")
+    graphs, _ = _tokens(path, monkeypatch, fused=True)
+    torch_road, info = _tokens(path, monkeypatch, fused=True, graphs=False, attention_backend="torch")
+    assert info["graphs"] is False
+    assert graphs == torch_road
 
 
 def test_dummy_load_format_runs_a_moe_shape_on_cuda(tmp_path, monkeypatch):

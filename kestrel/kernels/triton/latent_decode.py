@@ -18,6 +18,11 @@ import torch
 from kestrel.kernels.triton import paged_decode
 
 HEADS_PER_PROGRAM = 16   # the kernel pads a program's heads to 16 rows for tl.dot anyway
+# Compiled tiles: a 576-wide latent is a BLOCK_D of 1024, so K and V tiles of paged_decode's 32 keys are 64 KiB
+# each in bf16, which two pipeline stages would double past an H100's 228 KiB of shared memory. 16 keys and one
+# stage keep K, V and q at 32 KiB each, and 8 warps halve the registers a thread holds of the [16, 1024] fp32
+# accumulator. Not yet tuned on a GPU (written without one).
+LATENT_TILES = {"BLOCK_N": 16, "num_warps": 8, "num_stages": 1}
 
 
 def head_groups(num_heads: int, heads_per_program: int = HEADS_PER_PROGRAM) -> int:
@@ -49,4 +54,4 @@ def latent_decode_attention(
     groups = head_groups(q.shape[1], heads_per_program)
     cache = latent_cache.expand(-1, -1, groups, -1)   # every "kv head" is the latent: no copy
     return paged_decode.decode_attention(q, cache, cache, block_table, kv_lens, scale, num_splits=num_splits,
-                                         partials=partials)
+                                         partials=partials, tiles=LATENT_TILES)

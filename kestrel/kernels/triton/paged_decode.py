@@ -270,12 +270,14 @@ def decode_attention(
     scale: float,
     num_splits: int | None = None,
     partials: DecodeScratch | None = None,
+    tiles: dict[str, int] | None = None,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole cached context; one launch, no host sync.
 
     partials: scratch from alloc_decode_partials with at least S rows (pass static ones under CUDA graphs). Launches
     sharing it must be stream-ordered (the layers of a step are), since each one uses and then re-zeroes the
-    counters.
+    counters. tiles: BLOCK_N, num_warps, num_stages for a compiled launch in place of _decode_tiles' (a caller with
+    far wider heads than K/V attention's: kernels/triton/latent_decode.py); ignored under the interpreter.
     """
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads, block_size = k_cache.shape[2], k_cache.shape[1]
@@ -288,7 +290,7 @@ def decode_attention(
     num_splits, partials = decode_scratch(num_seqs, num_heads, num_kv_heads, head_dim, block_table, block_size,
                                           q.device, num_splits, partials)
     part_out, part_lse, counters = partials
-    meta = decode_meta(q, num_heads // num_kv_heads, head_dim, num_splits)
+    meta = decode_meta(q, num_heads // num_kv_heads, head_dim, num_splits, tiles)
     pdl = launch_options(q.device)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, kv_lens, out, part_out, part_lse, counters,
@@ -322,10 +324,11 @@ def decode_scratch(num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: i
     return num_splits, partials
 
 
-def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int) -> dict:
+def decode_meta(q: torch.Tensor, group: int, head_dim: int, num_splits: int,
+                tiles: dict[str, int] | None = None) -> dict:
     """Compile-time parameters and launch options shared by every decode-kernel launch (q: any tensor of the
     query dtype)."""
-    tiles = _decode_tiles(q)
+    tiles = _decode_tiles(q) if tiles is None or _interpreted() else tiles
     return dict(
         GROUP=group, HEAD_DIM=head_dim, BLOCK_H=max(16, triton.next_power_of_2(group)),
         BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_N=tiles["BLOCK_N"],
