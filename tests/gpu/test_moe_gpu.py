@@ -280,14 +280,20 @@ def test_qwen3_moe_graphs_keep_eager_tokens_with_the_fused_moe(moe_ckpt, monkeyp
     """The fused MoE captured in the decode and prefill graphs (no fallback to eager) gives eager's tokens."""
     import kestrel.kernels.triton.fused_moe as fused_moe
 
+    _graphs_keep_eager_tokens(moe_ckpt("qwen3_moe"), monkeypatch, fused_moe, "fused_experts_triton",
+                              {"graphs": True, "prefill_graphs": True})
+
+
+def _graphs_keep_eager_tokens(path: str, monkeypatch, module, function: str, expected_info: dict) -> None:
+    """Greedy tokens with graphs equal eager's, the graph families captured as expected_info says, and decode
+    routed through module.function (counted by a wrapper, in a start of its own)."""
     calls = []
-    launch = fused_moe.fused_experts_triton
-    monkeypatch.setattr(fused_moe, "fused_experts_triton", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    path = moe_ckpt("qwen3_moe")
+    launch = getattr(module, function)
+    monkeypatch.setattr(module, function, lambda *a, **k: calls.append(1) or launch(*a, **k))
     _RUNS.pop((path, True, True, None), None)   # this test counts the calls: its own start
     graphs, info = _tokens(path, monkeypatch, fused=True)
-    assert calls, "KESTREL_FUSED_MOE=1 did not route the experts through fused_experts_triton"
-    assert info == {"graphs": True, "prefill_graphs": True}, f"a graph family fell back to eager: {info}"
+    assert calls, f"the engine did not go through {module.__name__}.{function}"
+    assert info == expected_info, f"graph families captured: {info}"
     eager, _ = _tokens(path, monkeypatch, fused=True, graphs=False)
     assert graphs == eager
 
@@ -316,16 +322,8 @@ def test_deepseek_v3_decode_graphs_keep_eager_tokens(moe_ckpt, monkeypatch):
     tokens; prefill graphs stay off for MLA (its up-projected form reads block ids on the host)."""
     import kestrel.kernels.triton.latent_decode as latent_decode
 
-    calls = []
-    launch = latent_decode.latent_decode_attention
-    monkeypatch.setattr(latent_decode, "latent_decode_attention", lambda *a, **k: calls.append(1) or launch(*a, **k))
-    path = moe_ckpt("deepseek_v3")
-    _RUNS.pop((path, True, True, None), None)   # this test counts the calls: its own start
-    graphs, info = _tokens(path, monkeypatch, fused=True)
-    assert calls, "MLA's decode did not go through the Triton latent decode on CUDA"
-    assert info == {"graphs": True, "prefill_graphs": False}, f"graphs captured: {info}"
-    eager, _ = _tokens(path, monkeypatch, fused=True, graphs=False)
-    assert graphs == eager
+    _graphs_keep_eager_tokens(moe_ckpt("deepseek_v3"), monkeypatch, latent_decode, "latent_decode_attention",
+                              {"graphs": True, "prefill_graphs": False})
 
 
 def test_deepseek_v3_triton_latent_decode_keeps_the_torch_roads_tokens(moe_ckpt, monkeypatch):
