@@ -29,17 +29,24 @@ def dense_reference(q_nope, q_pe, w_uk, w_uv, entries: list[torch.Tensor], query
     return torch.cat(outs)
 
 
-@pytest.mark.parametrize("query_lens,cached", [([5, 1, 9], [3, 11, 0]), ([1, 1, 1], [6, 0, 13]), ([12], [0])])
-def test_absorbed_and_up_projected_forms_equal_the_definition(query_lens, cached):
-    gen = torch.Generator().manual_seed(sum(query_lens) * 7 + sum(cached))
-    kv_lens = [q + c for q, c in zip(query_lens, cached)]
-    needed = [-(-n // BLOCK) for n in kv_lens]
-    num_blocks = sum(needed) + 3
+def shuffled_block_tables(kv_lens: list[int], block: int, spare: int, gen: torch.Generator
+                          ) -> tuple[list[list[int]], int]:
+    """Each sequence's blocks drawn from a shuffled pool of exactly enough blocks plus `spare`: (tables, pool size)."""
+    needed = [-(-n // block) for n in kv_lens]
+    num_blocks = sum(needed) + spare
     order = torch.randperm(num_blocks, generator=gen).tolist()
     tables = []
     for n in needed:
         tables.append(order[:n])
         order = order[n:]
+    return tables, num_blocks
+
+
+@pytest.mark.parametrize("query_lens,cached", [([5, 1, 9], [3, 11, 0]), ([1, 1, 1], [6, 0, 13]), ([12], [0])])
+def test_absorbed_and_up_projected_forms_equal_the_definition(query_lens, cached):
+    gen = torch.Generator().manual_seed(sum(query_lens) * 7 + sum(cached))
+    kv_lens = [q + c for q, c in zip(query_lens, cached)]
+    tables, num_blocks = shuffled_block_tables(kv_lens, BLOCK, 3, gen)
     cache = torch.randn(num_blocks, BLOCK, 1, RANK + ROPE, generator=gen)   # noise: unwritten slots are junk
     batch = build_forward_batch([[0] * q for q in query_lens], cached, tables, BLOCK)
     tokens = sum(query_lens)

@@ -25,15 +25,10 @@ def decode_problem(kv_lens: list[int], heads: int, rank: int, rope: int, table_d
     """A decode batch over a random latent cache (blocks shuffled, unwritten slots noise) and random weights. A
     kv_len of 0 is a padded row, built as the decode graphs build one: no blocks, table row -1."""
     from kestrel.forward.batch import build_forward_batch
+    from tests.test_mla import shuffled_block_tables
 
     gen = torch.Generator().manual_seed(seed)
-    needed = [-(-n // BLOCK) for n in kv_lens]
-    num_blocks = sum(needed) + 2
-    order = torch.randperm(num_blocks, generator=gen).tolist()
-    tables = []
-    for n in needed:
-        tables.append(order[:n])
-        order = order[n:]
+    tables, num_blocks = shuffled_block_tables(kv_lens, BLOCK, 2, gen)
     real = [i for i, n in enumerate(kv_lens) if n]
     batch = build_forward_batch([[0]] * len(real), [kv_lens[i] - 1 for i in real], [tables[i] for i in real], BLOCK)
     batch = pad_rows(batch, kv_lens, table_dtype)
