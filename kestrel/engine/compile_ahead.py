@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.comm import TPGroup
+from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.models.model_config import ModelConfig
 from kestrel.progress import Progress
 
@@ -119,7 +119,6 @@ def model_bytes(config: EngineConfig, cfg: ModelConfig, dtype_bytes: int) -> int
     path = config.model_path
     if config.load_format != "dummy":
         return path.stat().st_size if path.is_file() else sum(f.stat().st_size for f in path.glob("*.safetensors"))
-    from kestrel.distributed.comm import SINGLE
     from kestrel.layers.ops import TORCH_OPS
     from kestrel.models.registry import model_class
     with torch.device("meta"):
