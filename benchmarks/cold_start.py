@@ -168,6 +168,7 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     result = measure(args.model, args.device, args.port, args.prompt_len, args.requests, serve_args, args.timeout)
     result["date"] = time.strftime("%Y-%m-%d")
+    result["serve_args"] = serve_args
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1))
     phases = ", ".join(f"{k} {v:.1f}" for k, v in result["phases_s"].items())

@@ -157,6 +157,8 @@ def suite_summary(out_dir: Path) -> dict:
     for cold_file in sorted(raw.glob("cold_*.json")):   # benchmarks/cold_start.py, every compile cache empty
         cold = _load(cold_file) or {}
         name = Path(str(cold.get("model"))).name
+        if cold.get("serve_args"):   # one of several COLD_VARIANTS
+            name += f" ({' '.join(cold['serve_args'])})"
         if cold.get("ready_s") is not None:
             phases = ", ".join(f"{k} {v:.1f}" for k, v in cold.get("phases_s", {}).items())
             rows += [{"row": f"{name} cold start s (caches empty: {phases})", "current": cold["ready_s"],

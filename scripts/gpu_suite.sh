@@ -15,6 +15,13 @@
 #                                default): benchmarks/cold_start.py per shape, every compile cache empty.
 #                                STAGES=ttft (after cold, not in the default): benchmarks/ttft_breakdown.py per shape,
 #                                fresh 128-token prompts streamed through kestrel serve, TTFT split by stage
+#                                STAGES=agree (after ttft): benchmarks/client_agreement.py, kestrel bench serve against
+#                                GuideLLM (its wheels carried in .whl-guidellm) on one kestrel serve of the first
+#                                MODELS shape, prefix cache off. STAGES=router (after agree): benchmarks/router_bench.py,
+#                                ROUTER_REPLICAS (2) replicas of the qwen3-0.6b shape sharing this GPU behind smg
+#                                (carried as .whl-smg2: the stripped wheel as a .tar.xz, or .whl-smg: the wheel)
+#   COLD_VARIANTS="A|B"          STAGES=cold once per variant (a variant: extra kestrel serve flags, e.g.
+#                                "--compile-workers 0|--compile-workers 4"; default: one run, no extra flags)
 #   MODELS=llama-3.1-8b,qwen3-0.6b   the bench shapes (benchmarks/shapes.py names, or kestrel-tiny)
 #   HF=1                         also time HF transformers eager `generate` on the same weights (slow: ~1 min/shape)
 #   BASELINE_SRC=DIR             before/after: DIR holds another commit's repo root; the bench and serve rows run
@@ -61,7 +68,7 @@ within() {   # within WANT RESERVE: WANT seconds, or what the budget leaves afte
 }
 
 SITE=
-for wheels in .whl .whl-lite; do   # from scripts/fetch_gpu_wheels.sh (.whl-lite: the server stack alone), carried
+for wheels in .whl .whl-lite .whl-guidellm .whl-smg; do   # from scripts/fetch_gpu_wheels.sh (.whl-lite: the server stack alone), carried
   if [ -d $wheels ] && ls $wheels/*.whl >/dev/null 2>&1; then
     if [ $DRY = 1 ]; then SITE=/tmp/site; else
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -69,6 +76,12 @@ for wheels in .whl .whl-lite; do   # from scripts/fetch_gpu_wheels.sh (.whl-lite
     fi
   fi
 done
+
+if [ $DRY = 0 ] && ls .whl-smg2/*.tar.xz >/dev/null 2>&1; then   # smg's wheel, stripped and xz'd to travel
+  mkdir -p /tmp/site && tar -xJf .whl-smg2/*.tar.xz -C /tmp/site && SITE=/tmp/site
+  ls .whl-smg2/*.whl >/dev/null 2>&1 && python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir \
+    --upgrade --target /tmp/site .whl-smg2/*.whl >> "$LOG" 2>&1
+fi
 
 say() { echo "$*" | tee -a "$LOG"; }
 step() { say "=== $* ($(date +%T))"; }
@@ -149,9 +162,15 @@ if [[ $STAGES == *" cold "* ]]; then
   for m in ${MODELS//,/ }; do
     [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
       "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
-    step "cold start, graph memory, fresh-prompt TTFT: $m shape (compile caches empty)"
-    in_tree cur "$(within 240 0)" python3 -m benchmarks.cold_start "$WORK/$m" --device cuda --out "$RAW/cold_$m.json"
-    say "cold start $m exit $?"
+    IFS='|' read -r -a variants <<< "${COLD_VARIANTS:-}"; [ ${#variants[@]} = 0 ] && variants=("")
+    for v in "${!variants[@]}"; do
+      name=cold_$m; [ ${#variants[@]} -gt 1 ] && name=cold_${m}_v$v
+      step "cold start, graph memory, fresh-prompt TTFT: $m shape (compile caches empty)${variants[$v]:+, ${variants[$v]}}"
+      # shellcheck disable=SC2086
+      in_tree cur "$(within 240 0)" python3 -m benchmarks.cold_start "$WORK/$m" --device cuda \
+        --out "$RAW/$name.json" -- ${variants[$v]}
+      say "cold start $m ${variants[$v]} exit $?"
+    done
   done
 fi
 
@@ -166,6 +185,33 @@ if [[ $STAGES == *" ttft "* ]]; then
       --out "$RAW/ttft_$m.json"
     say "ttft breakdown $m exit $?"
   done
+fi
+
+if [[ $STAGES == *" agree "* ]]; then
+  # kestrel bench serve and GuideLLM, alternating, on one server (prefix cache off: GuideLLM's synthetic prompts
+  # share prefixes, the random dataset's do not); docs/bench.md maps the two clients' metrics.
+  m=${MODELS%%,*}
+  [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
+    "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
+  step "client agreement: kestrel bench serve vs GuideLLM, $m shape"
+  in_tree cur "$(within 300 0)" python3 -m kestrel.cli launch --name agree --port 8013 --ready-timeout 240 \
+    --then "python3 -m benchmarks.client_agreement --base-url {base_url} --guidellm 'python3 -m guidellm' \
+--tokenizer $WORK/$m --concurrency 1,8 --num-prompts 16 --out $RAW/agree_$m.json" \
+    -- python3 -m kestrel.cli serve "$WORK/$m" --port 8013 --disable-prefix-cache --disable-log-requests
+  say "client agreement $m exit $?"
+fi
+
+if [[ $STAGES == *" router "* ]]; then
+  # Cache-aware routing against round-robin: replicas of a small shape sharing this one GPU behind smg.
+  [ -f "$WORK/qwen3-0.6b/.complete" ] || in_tree cur 120 python3 -c \
+    "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('qwen3-0.6b', Path('$WORK/qwen3-0.6b'))"
+  n=${ROUTER_REPLICAS:-2}
+  step "router: $n replicas of the qwen3-0.6b shape on one GPU behind smg, round-robin vs cache-aware"
+  in_tree cur "$(within 300 0)" python3 -m benchmarks.router_bench --model "$WORK/qwen3-0.6b" --device cuda \
+    --replicas "$n" --num-groups 16 --prompts-per-group 8 --prefix-len 1024 --output-len 32 --concurrency 8 \
+    --log-dir "$RAW/router-logs" --out "$RAW/router_qwen3-0.6b.json" \
+    -- --gpu-memory-utilization "$(python3 -c "print(round(0.8 / $n, 2))")"
+  say "router exit $?"
 fi
 
 if [[ $STAGES == *" tests "* ]]; then
