@@ -35,7 +35,7 @@
 #                                run is cut to what is left after ~100 s for each server run to come, a test file to
 #                                what is left, and a test file with under 20 s left is skipped (the table says so)
 #   GPU_TEST_FILES, GPU_TEST_ARGS, GPU_TEST_TIMEOUT (150 s a file, twice that for the kernel matrices)
-#   SERVE_MODEL (llama-3.1-8b; smollm2 serves the real model), SERVE_ARGS (extra `kestrel serve` flags), PREFIX_BENCH (none; or qwen3-0.6b for the
+#   HTTP_OVERHEAD=0 (skip the serve stage's HTTP-overhead run), SERVE_MODEL (llama-3.1-8b; smollm2 serves the real model), SERVE_ARGS (extra `kestrel serve` flags), PREFIX_BENCH (none; or qwen3-0.6b for the
 #   shared-prefix workload), HTTP_THREAD=1 (the HTTP overhead with --engine-in-thread too), BENCH_TIMEOUT (300 s a
 #   run), BENCH_WORKDIR (/tmp/kestrel-bench: the random-weight checkpoints, reused while the machine stays warm)
 #   COMMIT=SHA                   this tree's commit for the table, where the tree has no .git (spell the SHA out:
@@ -136,9 +136,11 @@ if [[ $STAGES == *" serve "* ]]; then
     [ "$m" = smollm2 ] || [ -f "$WORK/$m/.complete" ] || in_tree cur 120 python3 -c \
       "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$m', Path('$WORK/$m'))"
   done
-  step "HTTP overhead (qwen3-0.6b shape, 256 tokens): in-process vs through kestrel serve"
-  in_tree cur 100 sh -c "python3 benchmarks/http_overhead.py --model '$WORK/qwen3-0.6b' --max-tokens 256 \
+  if [ "${HTTP_OVERHEAD:-1}" = 1 ]; then
+    step "HTTP overhead (qwen3-0.6b shape, 256 tokens): in-process vs through kestrel serve"
+    in_tree cur 100 sh -c "python3 benchmarks/http_overhead.py --model '$WORK/qwen3-0.6b' --max-tokens 256 \
 --repeats 3 > '$RAW/http_overhead.json'"
+  fi
   if [ "${HTTP_THREAD:-0}" = 1 ]; then
     in_tree cur 100 sh -c "python3 benchmarks/http_overhead.py --model '$WORK/qwen3-0.6b' --max-tokens 256 \
 --repeats 3 --serve-arg=--engine-in-thread > '$RAW/http_overhead_thread.json'"
