@@ -2,6 +2,8 @@
 torch._scaled_mm with per-token activations (on the CPU), and the quantization arithmetic they share."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -55,6 +57,76 @@ def test_fp8_gemv_kernel_matches_torch(block, dtype, m, with_bias):
     tol = 1e-4 if dtype == torch.float32 else 2e-2   # bf16: one rounding of outputs of magnitude ~1
     assert (got.double() - want).abs().max().item() < tol
     assert (fp8_gemv_ref(x, w8, scale, block, bias).double() - want).abs().max().item() < tol
+
+
+def _fp8_gemv_configs():
+    """Every road of fp8_gemv.py at the test shape (K=200: 4 steps of 64, 2 of 128, 1 masked step of 256)."""
+    from kestrel.kernels.triton.fp8_gemv import Fp8GemvConfig
+
+    return {
+        "default": None,                                                              # interpreter: split 2
+        "broadcast": Fp8GemvConfig(block_n=16, block_k=64),                           # pipelined range loop
+        "broadcast-split3-unrolled": Fp8GemvConfig(block_n=16, block_k=64, split_k=3, unroll=True),  # 2 splits
+        "broadcast-wide-step": Fp8GemvConfig(block_n=8, block_k=256, num_warps=8),  # K in one masked step
+        "broadcast-split4": Fp8GemvConfig(block_n=32, block_k=32, split_k=4),       # 4 splits of 2 steps
+        "dot": Fp8GemvConfig(block_n=16, block_k=64, use_dot=True),
+        "dot-split2-unrolled": Fp8GemvConfig(block_n=32, block_k=128, split_k=2, use_dot=True, unroll=True),
+    }
+
+
+FP8_GEMV_CASES = [(torch.float32, 1, True), (torch.bfloat16, 3, False), (torch.bfloat16, 16, True)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (16, 32), (32, 48), (128, 128)], ids=str)
+@pytest.mark.parametrize("road", list(_fp8_gemv_configs()))
+@pytest.mark.parametrize("dtype,m,with_bias", FP8_GEMV_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_fp8_gemv_configs_match_the_reference(road, block, dtype, m, with_bias):
+    """Each config road (split-K on and off, unrolled and pipelined, broadcast and tensor cores, steps wider than
+    the scale tile: (32, 48) takes 16-wide segments) on fresh inputs against fp8_gemv_ref."""
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref
+
+    seed = 1000 + 17 * m + list(_fp8_gemv_configs()).index(road) + (block[1] if block else 0)
+    x, w8, scale, bias = operands(m, dtype, block, seed=seed, with_bias=with_bias)
+    got = fp8_gemv(x, w8, scale, block, bias, config=_fp8_gemv_configs()[road])
+    assert got.dtype == dtype and got.shape == (m, N)
+    want = fp8_gemv_ref(x.float(), w8, scale, block, None if bias is None else bias.float())   # unrounded
+    # float32: summation order only; bf16: one rounding of the output (the interpreter truncates: < 1 ulp)
+    rel = 0.0 if dtype == torch.float32 else 2 ** -7
+    assert ((got.float() - want).abs() <= rel * want.abs() + 1e-4).all()
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=str)
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_gemv_table_config_runs_a_long_k(block, m):
+    """The GPU table's own config (512-byte steps, split-K) at a K of several steps: K=1100 -> 3 steps, 1 split
+    at N=40 (a few programs: the table splits K while each split keeps 2 steps)."""
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref, split_plan, table_config
+
+    g = torch.Generator().manual_seed(7 + m)
+    n, k = 40, 1100
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w8, scale = quantize_per_row(w) if block is None else quantize_per_block(w, block)
+    cfg = table_config(m, n, k)
+    assert cfg.block_k == 512 and split_plan(k, cfg) == (1536, 1)
+    got = fp8_gemv(x, w8, scale, block, config=cfg)
+    assert (got - fp8_gemv_ref(x, w8, scale, block)).abs().max().item() < 1e-4
+    split = replace(cfg, split_k=2)   # and split: 2 ranges of 1024 and 76
+    assert split_plan(k, split) == (1024, 2)
+    got = fp8_gemv(x, w8, scale, block, config=split)
+    assert (got - fp8_gemv_ref(x, w8, scale, block)).abs().max().item() < 1e-4
+
+
+def test_fp8_gemv_table_on_the_8b_layers():
+    """The GPU table (no interpreter needed: plain arithmetic): split-K where N / 16 programs are few."""
+    from kestrel.kernels.triton.fp8_gemv import split_plan, table_config
+
+    plans = {name: split_plan(k, table_config(1, n, k)) for name, (k, n) in
+             {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}.items()}
+    assert plans == {"qkv": (1024, 4), "o": (1024, 4), "gate_up": (4096, 1), "down": (3584, 4)}
+    assert table_config(16, 4096, 14336).use_dot and not table_config(4, 4096, 14336).use_dot
 
 
 def test_quantizers_keep_every_value_within_half_an_fp8_step():
