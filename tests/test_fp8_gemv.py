@@ -199,6 +199,41 @@ def test_skinny_kernels_take_fp8_weights_with_row_scales(path, dtype, m):
     _close(gemv.silu_mul_gemv(gate_up, w8, bias, config, w_scale=scale), gemv.silu_mul_gemv_ref(gate_up, w, bias))
 
 
+def test_skinny_table_gives_fp8_weights_the_bf16_step_bytes():
+    """gemv.py's table for 1-byte weights: twice the K elements a step (the bf16 step's bytes) on 8 warps; the bf16
+    choices are the tuned ones (the docstring's examples)."""
+    from kestrel.kernels.triton.gemv import GemvConfig, table_config
+
+    assert table_config(1, 4096, 14336) == GemvConfig(16, 512, False, num_warps=4, num_stages=3, unroll=False)
+    assert table_config(1, 4096, 14336, element_size=1) == GemvConfig(16, 1024, False, num_warps=8)
+    assert table_config(1, 28672, 4096) == GemvConfig(32, 256, False)
+    assert table_config(1, 28672, 4096, element_size=1) == GemvConfig(32, 512, False, num_warps=8)
+    assert table_config(16, 6144, 4096, element_size=1) == GemvConfig(16, 1024, True, num_warps=8)
+    # whole slices are bounded by registers (elements), not bytes: the same for both
+    assert table_config(1, 1024, 3072, True, 1) == table_config(1, 1024, 3072, True) == GemvConfig(4, 4096, False,
+                                                                                                    num_warps=8)
+
+
+@interpreted_only
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_skinny_fp8_table_config_matches_reference(m):
+    """gemv.py's FP8 table config itself (2 x the bf16 K step) at a K of several of its steps, with the norm fold."""
+    from kestrel.kernels.triton import gemv
+
+    g = torch.Generator().manual_seed(60 + m)
+    n, k = 40, 5000
+    x = torch.randn(m, k, generator=g)
+    w8, scale = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
+    cfg = gemv.table_config(m, n, k, element_size=1)
+    assert cfg.block_k > gemv.table_config(m, n, k).block_k
+    w = dequantize(w8, scale)
+    _close(gemv.gemv(x, w8, None, cfg, w_scale=scale), gemv.gemv_ref(x, w))
+    residual = torch.randn(m, k, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(k, generator=g)
+    out, _ = gemv.add_rms_norm_gemv(x, residual, norm_w, 1e-5, w8, None, cfg, w_scale=scale)
+    _close(out, gemv.add_rms_norm_gemv_ref(x, residual, norm_w, 1e-5, w)[0])
+
+
 @interpreted_only
 @pytest.mark.parametrize("block", [None, (32, 32)], ids=["row", "block"])
 def test_fp8_method_runs_decode_rows_through_the_kernels(block):
