@@ -208,7 +208,8 @@ def test_skinny_table_gives_fp8_weights_the_bf16_step_bytes():
     assert table_config(1, 4096, 14336, element_size=1) == GemvConfig(16, 1024, False, num_warps=8)
     assert table_config(1, 28672, 4096) == GemvConfig(32, 256, False)
     assert table_config(1, 28672, 4096, element_size=1) == GemvConfig(32, 512, False, num_warps=8)
-    assert table_config(16, 6144, 4096, element_size=1) == GemvConfig(16, 1024, True, num_warps=8)
+    # tensor cores: the bf16 step (the x operand's registers bound it)
+    assert table_config(16, 6144, 4096, element_size=1) == table_config(16, 6144, 4096) == GemvConfig(16, 512, True)
     # whole slices are bounded by registers (elements), not bytes: the same for both
     assert table_config(1, 1024, 3072, True, 1) == table_config(1, 1024, 3072, True) == GemvConfig(4, 4096, False,
                                                                                                     num_warps=8)
@@ -225,7 +226,7 @@ def test_skinny_fp8_table_config_matches_reference(m):
     x = torch.randn(m, k, generator=g)
     w8, scale = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
     cfg = gemv.table_config(m, n, k, element_size=1)
-    assert cfg.block_k > gemv.table_config(m, n, k).block_k
+    assert cfg.block_k == (1 if cfg.use_dot else 2) * gemv.table_config(m, n, k).block_k
     w = dequantize(w8, scale)
     _close(gemv.gemv(x, w8, None, cfg, w_scale=scale), gemv.gemv_ref(x, w))
     residual = torch.randn(m, k, generator=g)
@@ -269,3 +270,35 @@ def test_fp8_method_runs_decode_rows_through_the_kernels(block):
         want, want_res = layers[1].norm_forward(x, residual, norm)
         assert (got - want).abs().max().item() < 1e-4 and torch.equal(got_res, want_res)
     assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_gemv"])
+
+
+# -- fp8_gemv.py builds for sm_90 (Triton's ptxas, no GPU): a compile error costs no device time ----------------
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
+@pytest.mark.parametrize("layer,m,block", [("qkv", 1, (128, 128)), ("down", 1, None), ("down", 16, (128, 128)),
+                                           ("gate_up", 4, None)], ids=str)
+def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block):
+    """The table's config for an 8B layer compiles; the first step's weights (16-byte loads) come before the PDL
+    wait, and the split-K launch's sum kernel builds too."""
+    import triton
+
+    from kestrel.kernels.triton.fp8_gemv import (_fp8_gemv_kernel, _seg, _split_sum_kernel, split_plan,
+                                                 table_config)
+    from tests.sm90 import compile_for_sm90
+
+    k, n = {"qkv": (4096, 6144), "down": (14336, 4096), "gate_up": (4096, 28672)}[layer]
+    cfg = table_config(m, n, k)
+    k_split, splits = split_plan(k, cfg)
+    constexprs = dict(K=k, K_SPLIT=k_split, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
+                      SCALE_BK=block[1] if block else 1, HAS_BIAS=True, BLOCK_M=16 if cfg.use_dot else
+                      triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SEG=_seg(cfg, block),
+                      USE_DOT=cfg.use_dot, UNROLL=cfg.unroll, PARTIAL=splits > 1, DOT_FP32=False,
+                      DOT_PRECISION="tf32", USE_PDL=True)
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if splits > 1 else "*bf16"}
+    ptx = compile_for_sm90(_fp8_gemv_kernel, constexprs, types, dict(num_warps=cfg.num_warps,
+                                                                     num_stages=cfg.num_stages))
+    assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("mma" in ptx) == cfg.use_dot
+    if splits > 1:
+        compile_for_sm90(_split_sum_kernel, dict(SPLITS=splits, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
+                         {"ws_ptr": "*fp32"}, dict(num_warps=4))

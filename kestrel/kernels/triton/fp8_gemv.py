@@ -50,6 +50,7 @@ MAX_M = 16
 BROADCAST_MAX_M = 4      # above this the CUDA-core FMAs (M per weight byte) rival the load time: tensor cores
 DOT_BLOCK_M = 16         # tl.dot needs every dim >= 16: x rows padded by masked loads
 MIN_SEG = 16             # tl.dot's K; the smallest scale-tile width served (fp8.py checks it before routing here)
+DOT_SEG = 128            # the widest segment a tensor-core step takes (see _seg)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -116,12 +117,12 @@ def table_config(m: int, n: int, k: int) -> Fp8GemvConfig:
                          num_warps=4, num_stages=3, unroll=triton.cdiv(steps, split) <= MAX_UNROLL)
 
 
-def _seg(block_k: int, block: tuple[int, int] | None) -> int:
-    """A step's segment: all of it for row scales, else the largest power of two dividing the scale tile's
-    width (at most BLOCK_K), so a segment never straddles two scale columns."""
-    if block is None:
-        return block_k
-    return min(block_k, block[1] & -block[1])
+def _seg(cfg: Fp8GemvConfig, block: tuple[int, int] | None) -> int:
+    """A step's segment: the largest power of two dividing the scale tile's width (at most BLOCK_K), so a
+    segment never straddles two scale columns; for row scales all of the step. On tensor cores at most
+    DOT_SEG: one dot's x operand [DOT_SEG, 16] stays in registers (512 spilled at 16 rows on sm_90)."""
+    seg = cfg.block_k if block is None else min(cfg.block_k, block[1] & -block[1])
+    return min(seg, DOT_SEG) if cfg.use_dot else seg
 
 
 def split_plan(k: int, cfg: Fp8GemvConfig) -> tuple[int, int]:
@@ -259,7 +260,7 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tupl
     n = w8.shape[0]
     _check_operands(x, w8, scale, block, bias)
     cfg = config or default_config(m, n, k)
-    seg = _seg(cfg.block_k, block)
+    seg = _seg(cfg, block)
     assert cfg.block_k & (cfg.block_k - 1) == 0 and seg >= MIN_SEG, f"{cfg}: block_k a power of two, segment {seg}"
     assert not cfg.use_dot or cfg.block_n >= DOT_BLOCK_M, f"{cfg}: tl.dot needs block_n >= {DOT_BLOCK_M}"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

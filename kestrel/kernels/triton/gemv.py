@@ -126,11 +126,12 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False, element_size
     whole_slice: one step of BLOCK_K = next_power_of_2(K) (masked tail) where BLOCK_N x that is at most
     WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers.
 
-    FP8 weights (element_size 1): the K step holds the bf16 step's bytes, twice its elements (a 1-byte weight
-    moves half the bytes per element, so the same elements would halve the bytes in flight), on 8 warps so each
-    thread still converts ~64 weights to float32. N=4096 K=14336 M=1 -> 16 x 1024 (14 unrolled steps);
-    N=6144 K=4096 -> 8 x 2048 (2 steps). The whole slice stays WHOLE_SLICE_ELEMENTS elements: registers, not
-    bytes, bound it. bf16 (element_size 2) is the table above, unchanged.
+    FP8 weights (element_size 1) on the broadcast path: the K step holds the bf16 step's bytes, twice its
+    elements (a 1-byte weight moves half the bytes per element, so the same elements would halve the bytes in
+    flight), on 8 warps so each thread still converts ~64 weights to float32: N=4096 K=14336 M=1 -> 16 x 1024
+    (14 unrolled steps), N=6144 K=4096 -> 16 x 1024 (4 steps). The tensor-core path (M > 4) and whole slices
+    keep the bf16 elements: registers (the padded x operand, the whole tile) bound them, not bytes. bf16
+    (element_size 2) is the table above, unchanged.
     """
     use_dot = m > BROADCAST_MAX_M
     # Every program reads all M x rows from L2 per weight tile: M / BLOCK_N x the weight bytes. So the tensor-core
@@ -142,7 +143,9 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False, element_size
     if whole_slice and block_n * whole <= WHOLE_SLICE_ELEMENTS:
         return GemvConfig(block_n=block_n, block_k=whole, use_dot=use_dot,
                           num_warps=8 if block_n * whole > TILE_ELEMENTS else 4)
-    tile_elements = TILE_ELEMENTS * 2 // element_size      # TILE_ELEMENTS bf16 elements' bytes a step
+    # FP8 on the broadcast path: TILE_ELEMENTS bf16 elements' bytes a step. The tensor-core path keeps the bf16
+    # step: its x operand [16, BLOCK_K] (the model dtype) is what fills the registers there (2x spilled on sm_90)
+    tile_elements = TILE_ELEMENTS if use_dot else TILE_ELEMENTS * 2 // element_size
     block_k = _even_block_k(k, max(tile_elements // block_n, 128))
     steps = triton.cdiv(k, block_k)
     unroll = steps <= MAX_UNROLL
