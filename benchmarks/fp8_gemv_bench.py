@@ -12,6 +12,7 @@ Per layer (qkv 4096->6144, o 4096->4096, gate_up 4096->28672, down 14336->4096) 
                    SiLU-mul into the same kernels)
     fp8 row        kernels/triton/gemv.py with w_scale= (per-channel scales), its default config
     fp8 block128   kernels/triton/fp8_gemv.py with 128 x 128 tile scales, its default config
+    fp8 row via fp8_gemv   (M=1) row scales through fp8_gemv.py instead: whether layers/fp8.py should route there
     sweep          (M=1 and M=16 by default) a few candidate configs of both FP8 kernels around their defaults
 
 Times: a CUDA graph of ITERS launches, each on another copy of the weight (the copies together exceed twice the
@@ -40,6 +41,7 @@ SWEEP_ROWS = (1, 16)
 BLOCK = (128, 128)
 ITERS = 20
 REPEATS = 7
+DEVICE = "cuda"            # a module constant so a CPU dry run (the interpreter, time_us stubbed) can swap it
 ROTATE_BYTES = 256 << 20   # the weight copies a graph cycles through: > 2x the 50 MB L2 of an H100
 
 
@@ -94,14 +96,14 @@ class Weights:
 
 
 def make_weights(k: int, n: int, seed: int = 0) -> Weights:
-    g = torch.Generator(device="cuda").manual_seed(seed)
+    g = torch.Generator(device=DEVICE).manual_seed(seed)
     copies = lambda nbytes: max(2, -(-ROTATE_BYTES // nbytes))   # noqa: E731
-    bf16 = [(torch.randn(n, k, device="cuda", generator=g) * 0.02).to(torch.bfloat16)
+    bf16 = [(torch.randn(n, k, device=DEVICE, generator=g) * 0.02).to(torch.bfloat16)
             for _ in range(copies(2 * n * k))]
-    fp8 = [(torch.randn(n, k, device="cuda", generator=g) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
+    fp8 = [(torch.randn(n, k, device=DEVICE, generator=g) * 8).clamp(-448, 448).to(torch.float8_e4m3fn)
            for _ in range(copies(n * k))]
-    row = [torch.rand(n, 1, device="cuda", generator=g) * 1e-3 + 1e-4 for _ in fp8]
-    blocks = [torch.rand(-(-n // BLOCK[0]), -(-k // BLOCK[1]), device="cuda", generator=g) * 1e-3 + 1e-4
+    row = [torch.rand(n, 1, device=DEVICE, generator=g) * 1e-3 + 1e-4 for _ in fp8]
+    blocks = [torch.rand(-(-n // BLOCK[0]), -(-k // BLOCK[1]), device=DEVICE, generator=g) * 1e-3 + 1e-4
               for _ in fp8]
     return Weights(bf16, fp8, row, blocks)
 
@@ -176,7 +178,7 @@ def bench_defaults(name: str, ws: Weights, m: int) -> dict:
     from kestrel.kernels.triton.fp8_gemv import default_config, fp8_gemv, fp8_gemv_ref
 
     n, k = ws.fp8[0].shape
-    x = torch.randn(m, k, device="cuda").to(torch.bfloat16)
+    x = torch.randn(m, k, device=DEVICE).to(torch.bfloat16)
     road, engine = engine_bf16_road(x, ws.bf16[0])
     rec = {"layer": name, "K": k, "N": n, "M": m, "engine_bf16_road": road, "timings": [], "x": x}
     add(rec, "bf16_cublas", time_us([lambda w=w: F.linear(x, w) for w in ws.bf16]), 2 * n * k)
@@ -186,6 +188,10 @@ def bench_defaults(name: str, ws: Weights, m: int) -> dict:
     add(rec, "fp8_block128", time_us([lambda w=w, s=s: fp8_gemv(x, w, s, BLOCK)
                                       for w, s in zip(ws.fp8, ws.block_scale)]),
         block_bytes(ws), describe(default_config(m, n, k)))
+    if m == 1:   # row scales through fp8_gemv.py's split-K grid instead (what layers/fp8.py could route there)
+        add(rec, "fp8_row_via_fp8_gemv", time_us([lambda w=w, s=s: fp8_gemv(x, w, s)
+                                                  for w, s in zip(ws.fp8, ws.row_scale)]),
+            row_bytes(ws), describe(default_config(m, n, k)))
     ref = fp8_gemv_ref(x, ws.fp8[0], ws.block_scale[0], BLOCK).float()
     got = fp8_gemv(x, ws.fp8[0], ws.block_scale[0], BLOCK).float()
     rec["fp8_block128_max_rel_err"] = ((got - ref).abs().max() / ref.abs().max()).item()
@@ -242,9 +248,9 @@ def block_bytes(ws: Weights) -> int:
 def summarize(rec: dict) -> None:
     by_road = {t["road"]: t["us"] for t in rec["timings"] if not t["road"].startswith("sweep")}
     bf16 = by_road["bf16_engine"]
-    rec["speedup_vs_bf16_engine"] = {road: bf16 / by_road[road] for road in ("fp8_row", "fp8_block128")}
-    rec["speedup_vs_bf16_cublas"] = {road: by_road["bf16_cublas"] / by_road[road]
-                                     for road in ("fp8_row", "fp8_block128")}
+    fp8 = [road for road in by_road if road.startswith("fp8")]
+    rec["speedup_vs_bf16_engine"] = {road: bf16 / by_road[road] for road in fp8}
+    rec["speedup_vs_bf16_cublas"] = {road: by_road["bf16_cublas"] / by_road[road] for road in fp8}
     for kind in ("fp8_block128", "fp8_row"):   # the default config is a candidate too
         sweep = [t for t in rec["timings"] if t["road"] == f"sweep_{kind}"]
         if sweep:
@@ -266,7 +272,8 @@ def print_defaults(rec: dict) -> None:
     summarize(rec)
     t = {x["road"]: x for x in rec["timings"] if not x["road"].startswith("sweep")}
     cells = "  ".join(f"{road} {t[road]['us']:7.1f} us {t[road]['gbps']:5.0f} GB/s"
-                      for road in ("bf16_cublas", "bf16_engine", "fp8_row", "fp8_block128"))
+                      for road in ("bf16_cublas", "bf16_engine", "fp8_row", "fp8_block128", "fp8_row_via_fp8_gemv")
+                      if road in t)
     sp = rec["speedup_vs_bf16_engine"]
     print(f"{rec['layer']:8s} M={rec['M']:2d}  {cells}  (engine bf16: {rec['engine_bf16_road']}; fp8/bf16 engine "
           f"row {sp['fp8_row']:.2f}x block {sp['fp8_block128']:.2f}x)", flush=True)

@@ -125,7 +125,7 @@ def test_fp8_gemv_table_on_the_8b_layers():
 
     plans = {name: split_plan(k, table_config(1, n, k)) for name, (k, n) in
              {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}.items()}
-    assert plans == {"qkv": (1024, 4), "o": (1024, 4), "gate_up": (4096, 1), "down": (3584, 4)}
+    assert plans == {"qkv": (2048, 2), "o": (1024, 4), "gate_up": (4096, 1), "down": (3584, 4)}
     assert table_config(16, 4096, 14336).use_dot and not table_config(4, 4096, 14336).use_dot
 
 

@@ -84,11 +84,12 @@ class Fp8GemvConfig:
 
 
 # The fixed table, as data. Bytes in flight decide the time: a step of BLOCK_N x STEP_BYTES = 8 KB a program,
-# and enough programs that every SM holds several (H100/H200: 132 SMs). N / BLOCK_N programs short of
-# TARGET_PROGRAMS are multiplied by K splits (powers of two) while every split keeps MIN_SPLIT_STEPS steps.
+# and enough programs that every SM holds several (H100/H200: 132 SMs). N / BLOCK_N programs are multiplied by
+# K splits (powers of two) while the grid stays within TARGET_PROGRAMS (one wave: a second, partial wave would
+# stream at a fraction of the bandwidth) and every split keeps MIN_SPLIT_STEPS steps.
 BLOCK_N = 16
 STEP_BYTES = 512             # a row's bytes per step: 4 x 128-byte lines (the old kernel read one)
-TARGET_PROGRAMS = 1024       # ~8 per SM: one wave at 8 resident programs of 4 warps
+TARGET_PROGRAMS = 1024       # one wave at 8 resident programs of 4 warps (<= 64 registers: M=1 builds 56-68)
 MIN_SPLIT_STEPS = 2          # a split shorter than this is mostly prologue and epilogue
 MAX_SPLIT_K = 16
 MAX_UNROLL = 8               # steps a split unrolls; longer splits are software-pipelined
@@ -104,13 +105,13 @@ def default_config(m: int, n: int, k: int) -> Fp8GemvConfig:
 
 def table_config(m: int, n: int, k: int) -> Fp8GemvConfig:
     """The table above for (M, N, K). Llama-3.1-8B (block_n 16, block_k 512; broadcast at M <= 4, tensor cores
-    above): qkv N=6144 K=4096 -> 384 programs x 4 splits of 2 steps (unrolled), o 4096x4096 -> 256 x 4 of 2,
+    above): qkv N=6144 K=4096 -> 384 programs x 2 splits of 4 steps (unrolled), o 4096x4096 -> 256 x 4 of 2,
     gate_up N=28672 -> 1792 x 1 of 8, down K=14336 -> 256 x 4 of 7."""
     block_k = max(MIN_SEG, min(STEP_BYTES, triton.next_power_of_2(k)))
     programs = triton.cdiv(n, BLOCK_N)
     steps = triton.cdiv(k, block_k)
     split = 1
-    while (split < MAX_SPLIT_K and programs * split < TARGET_PROGRAMS
+    while (split < MAX_SPLIT_K and programs * split * 2 <= TARGET_PROGRAMS
            and steps // (2 * split) >= MIN_SPLIT_STEPS):
         split *= 2
     return Fp8GemvConfig(block_n=BLOCK_N, block_k=block_k, split_k=split, use_dot=m > BROADCAST_MAX_M,
