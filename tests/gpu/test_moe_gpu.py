@@ -356,3 +356,44 @@ def test_dummy_load_format_runs_a_moe_shape_on_cuda(tmp_path, monkeypatch):
         llm.shutdown()
         switches.cache_clear()
 
+
+
+ROW_SWEEP = [  # RowTiles(up_n, up_k, up_warps, down_n, down_k, down_warps); the first is row_tiles' bs1 choice
+    (4, 2048, 8, 4, 256, 8),
+    (4, 1024, 4, 4, 256, 4),
+    (8, 1024, 8, 8, 256, 8),
+    (2, 2048, 4, 2, 256, 4),
+    (16, 256, 4, 8, 128, 4),
+    (4, 2048, 8, 8, 128, 8),
+]
+
+
+def test_rows_path_bs1_tiles_sweep_in_a_cuda_graph_printed(capsys):
+    """Not a pass/fail figure (each config is checked against the reference, though): the rows path at
+    Qwen3-30B-A3B's bs1 (one token, top-8 of 128) replayed in a CUDA graph of 16 calls whose routings are
+    disjoint (16 x 8 = all 128 experts), so each call reads its experts' 25 + 12.6 MB from HBM, not from the
+    50 MB L2 a repeated routing would sit in. Prints us a call and the GB/s of its 8 experts' weights, per config,
+    next to the device copy's rate (read + written)."""
+    from kestrel.kernels.triton.fused_moe import RowTiles, fused_experts_triton, row_tiles
+
+    experts, topk, hidden, inter = LAYERS["qwen3-30b-a3b"]
+    x, w13, w2, _, _ = problem(1, experts, topk, hidden, inter, seed=11)
+    perm = torch.randperm(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    routings = [(perm[i * topk:(i + 1) * topk].view(1, topk).contiguous(),
+                 torch.softmax(torch.randn(1, topk, device="cuda"), dim=-1)) for i in range(experts // topk)]
+    expert_bytes = topk * 3 * hidden * inter * 2
+    rows = [f"device copy: {_copy_gb_s():,.0f} GB/s (read + written); default {row_tiles(topk, hidden, inter)}"]
+    for cfg in ROW_SWEEP:
+        tiles = RowTiles(*cfg)
+        for ids, weights in routings[:2]:
+            assert_close_bf16(fused_experts_triton(x, w13, w2, ids, weights, path="rows", row_config=tiles),
+                              fused_experts_torch(x, w13, w2, ids, weights))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for ids, weights in routings:
+                fused_experts_triton(x, w13, w2, ids, weights, path="rows", row_config=tiles)
+        us = _time_us(graph.replay, 20) / len(routings)
+        rows.append(f"{tiles}: {us:6.1f} us a layer, {expert_bytes / us / 1e3:6,.0f} GB/s")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))

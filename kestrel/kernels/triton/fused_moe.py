@@ -325,7 +325,7 @@ def row_tiles(topk: int, hidden: int, inter: int) -> RowTiles:
         down     [8 slots, 4 cols, 256] x 3 steps, 8 warps: 512 programs of 48 KB (~4 an SM)
 
     (the s22 profile's 16-column, 256-wide per-step-summed programs streamed gate|up at ~1.5 TB/s). Not yet timed:
-    fused_experts_triton(row_config=) overrides it (benchmarks/moe_bench.py --rows-sweep times a few).
+    fused_experts_triton(row_config=) overrides it (tests/gpu/test_moe_gpu.py's rows sweep times a few).
     Interpreted: small, so the tests' shapes span several blocks and steps."""
     if _interpreted():
         return RowTiles(up_n=4, up_k=16, up_warps=4, down_n=8, down_k=16, down_warps=4)
