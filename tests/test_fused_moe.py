@@ -257,3 +257,39 @@ def test_rows_path_sums_the_slots_with_the_reference_roundings(case, dtype):
     else:
         torch.testing.assert_close(ours.float(), ref.float(), atol=2 ** -8 * ref.float().abs().max().item(),
                                    rtol=2 ** -7)
+
+
+@interpreted_only
+@pytest.mark.parametrize("tokens,experts,hidden,k,renormalize", [(1, 128, 256, 8, True), (3, 60, 96, 4, False),
+                                                                  (16, 8, 64, 2, True), (17, 8, 64, 2, True)])
+def test_router_gemv_kernel_then_softmax_topk_equals_router_then_reference(tokens, experts, hidden, k,
+                                                                            renormalize):
+    """The router GEMV folded into the Triton routing (two launches at decode): bf16 hidden states against the
+    float32 router weight give Router's float32 logits (F.linear(x.float(), W)) to float32 rounding, and the same
+    experts in the same order as the reference routing; E not a multiple of the block (60), H off the step (96);
+    17 tokens: past ROUTER_GEMV_MAX_TOKENS, the cuBLAS road."""
+    from kestrel.kernels.triton.moe_routing import router_logits_triton, router_softmax_topk_triton
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(experts, hidden, generator=gen) * 0.2
+    ref_logits = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(router_logits_triton(x, weight), ref_logits, rtol=1e-5, atol=1e-5)
+    ours, ref = router_softmax_topk_triton(x, weight, k, renormalize), softmax_topk(ref_logits, k, renormalize)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_models_route_from_the_hidden_states_only_with_the_triton_routing():
+    """Qwen3-MoE / Mixtral layers take route_hidden (router GEMV folded into the routing) from
+    LayerOps.softmax_topk's `from_hidden`: the Triton routing offers it, the torch routing does not."""
+    from dataclasses import replace
+
+    from kestrel.kernels.triton.moe_routing import router_softmax_topk_triton, softmax_topk_triton
+    from kestrel.layers.ops import TORCH_OPS
+    from kestrel.models.llama_moe import _softmax_route_hidden
+
+    assert softmax_topk_triton.from_hidden is router_softmax_topk_triton
+    cfg = type("Cfg", (), {"num_experts_per_tok": 2, "norm_topk_prob": True})()
+    assert _softmax_route_hidden(cfg, TORCH_OPS) is None
+    assert _softmax_route_hidden(cfg, replace(TORCH_OPS, softmax_topk=softmax_topk_triton)) is not None
