@@ -150,6 +150,33 @@ def test_softmax_topk_kernel_matches_reference_and_replays_in_a_graph(tokens):
     assert torch.equal(captured.topk_ids, softmax_topk(logits, 8, True).topk_ids)
 
 
+
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])
+def test_router_gemv_kernel_matches_float32_router_and_replays_in_a_graph(tokens):
+    """The router GEMV folded into the Triton routing (moe_routing.router_softmax_topk_triton) at Qwen3-30B-A3B's
+    128 x 2048 float32 router, bf16 hidden states: Router's float32 logits to float32 rounding, the reference
+    routing's experts in order; captured and replayed on new hidden states (64 tokens: the cuBLAS road)."""
+    from kestrel.kernels.triton.moe_routing import router_logits_triton, router_softmax_topk_triton
+    from kestrel.layers.moe import softmax_topk
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    weight = 0.02 * torch.randn(128, 2048, device="cuda", generator=g)
+    ref_logits = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(router_logits_triton(x, weight), ref_logits, rtol=1e-5, atol=1e-5)
+    ours, ref = router_softmax_topk_triton(x, weight, 8, True), softmax_topk(ref_logits, 8, True)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = router_softmax_topk_triton(x, weight, 8, True)
+    x.copy_(torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.topk_ids,
+                       softmax_topk(torch.nn.functional.linear(x.float(), weight), 8, True).topk_ids)
+
 def _time_us(fn, iters: int = 100) -> float:
     return time_us(fn, iters, warmup=5)
 
@@ -186,6 +213,9 @@ def test_fused_moe_layer_times_printed(capsys):
     for name, route in (("torch", softmax_topk), ("triton", softmax_topk_triton)):
         us = _time_us(lambda: route(torch.nn.functional.linear(x.float(), router), topk, True))
         rows.append(f"routing, T=1, router GEMV + softmax top-k ({name}), eager launches: {us:.1f} us")
+    from kestrel.kernels.triton.moe_routing import router_softmax_topk_triton
+    us = _time_us(lambda: router_softmax_topk_triton(x, router, topk, True))
+    rows.append(f"routing, T=1, router GEMV kernel + softmax top-k (triton, 2 launches), eager: {us:.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert len(rows) > 3
