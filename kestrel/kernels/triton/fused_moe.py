@@ -29,9 +29,9 @@ them (bs1, top-8 of 128 experts: 8 of 121 tiles would hold a row):
         out[t, c:c+down_n] = sum_s weight[t, s] * (inter[t k + s] @ W2[e_s].T)     (float32 sum, one rounding)
 
 So the per-(token, slot) float32 rows, the torch sum over the slots and its cast back (reduce_kernel and
-bfloat16_copy, two launches a layer in the s22 profile) are gone, and the output is written once in x's dtype. Nothing reads back to the host: CUDA-graph
-capturable. Two tokens that pick the same expert read its weights twice (mostly from L2); past ROWS_PATH_MAX rows
-the tiles, which read each expert once, take over. Both paths round what the reference rounds, where it rounds it.
+bfloat16_copy, two launches a layer in the s22 profile) are gone, and the output is written once in x's dtype.
+Nothing reads back to the host: CUDA-graph capturable. Two tokens that pick the same expert read its weights twice
+(mostly from L2); past ROWS_PATH_MAX rows the tiles, which read each expert once, take over. Both paths round what the reference rounds, where it rounds it.
 
 The tiles path's compiled kernels multiply bf16 / fp16 operands on the tensor cores with float32 accumulation
 (float32 models: exact "ieee" dots, the parity path); under Triton's interpreter bf16 operands are upcast first,
