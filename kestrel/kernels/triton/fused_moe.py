@@ -47,6 +47,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
+
 BLOCK_M = 16
 ROWS_PATH_MAX = 64   # (token, slot) rows up to which the per-row matrix-vector path runs (bs 8 at top-8)
 
@@ -166,13 +168,16 @@ def _rounded(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 @triton.jit
 def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, stride_we, stride_wn, stride_i,
                              TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_BF16: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_BF16: tl.constexpr,
+                             USE_PDL: tl.constexpr):
     """inter[row, cols] for one (token, slot) row: its expert's BLOCK_N gate rows and BLOCK_N up rows against
     x[token], each weight row streamed contiguously along H.
 
     The products accumulate in [BLOCK_N, BLOCK_K] float32 registers and are summed across lanes once, after the
     last step: a per-step tl.sum would put a cross-lane reduction between one step's loads and the next's, and
-    with the steps unrolled (tl.static_range) and independent, every step's loads can be issued up front."""
+    with the steps unrolled (tl.static_range) and independent, every step's loads can be issued up front.
+    Under PDL it waits first: which weights to read is the routing's output."""
+    pdl_wait(USE_PDL)
     row = tl.program_id(0)
     token = (row // TOPK).to(tl.int64)
     expert = tl.load(ids_ptr + row).to(tl.int64)
@@ -203,14 +208,19 @@ def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, strid
 def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_i, stride_we, stride_wn,
                               stride_o, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                               BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              RNE_BF16: tl.constexpr):
+                              RNE_BF16: tl.constexpr, USE_PDL: tl.constexpr):
     """out[token, cols] = sum over the token's k slots of weight[slot] * (inter[row] @ W_down[expert].T)[cols].
 
     One program holds the token's k experts at once, a [BLOCK_S (slots), BLOCK_N (columns), BLOCK_K] tile a step:
     k x BLOCK_N weight rows streamed along I together, so all k experts' loads are in flight at the same time.
     Roundings as the reference's: each expert's output in the model dtype (F.linear), weighed and summed over the
     slots in float32, one rounding to the model dtype at the end (float32 sums in slot order, not expert order:
-    the two differ by float32 rounding)."""
+    the two differ by float32 rounding).
+
+    Under PDL the first step's weight tile is read before the wait, while the gate|up kernel finishes (pdl.py's
+    rule allows weights only; the expert ids are read there too, and are final: the routing that writes them is
+    launched in plain stream order, so the gate|up kernel starts after it completed, and this kernel starts after
+    every gate|up program passed its own wait). inter, the gate|up kernel's output, is read after the wait."""
     token = tl.program_id(0).to(tl.int64)
     slots = tl.arange(0, BLOCK_S)
     slot_ok = slots < TOPK
@@ -221,11 +231,17 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
     w_rows = w2_ptr + experts[:, None, None] * stride_we + cols[None, :, None].to(tl.int64) * stride_wn
     a_rows = inter_ptr + rows[:, None] * stride_i                                     # [BLOCK_S, 1]
     row_ok = slot_ok[:, None, None] & col_ok[None, :, None]
+    first = tl.load(w_rows + tl.arange(0, BLOCK_K)[None, None, :],
+                    mask=row_ok & (tl.arange(0, BLOCK_K) < I)[None, None, :], other=0.0)
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_S, BLOCK_N, BLOCK_K], dtype=tl.float32)
     for k0 in tl.static_range(0, I, BLOCK_K):
         ks = k0 + tl.arange(0, BLOCK_K)
         k_ok = ks < I
-        w = tl.load(w_rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
+        if k0 == 0:
+            w = first
+        else:
+            w = tl.load(w_rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
         a = tl.load(a_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]
     dtype = inter_ptr.dtype.element_ty
@@ -290,14 +306,14 @@ def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_rows_kernel[(num_rows, triton.cdiv(inter_size, t.up_n))](
         x, w13, ids, inter, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOPK=topk, H=hidden,
-        I=inter_size, BLOCK_N=t.up_n, BLOCK_K=t.up_k, RNE_BF16=rne, num_warps=t.up_warps)
+        I=inter_size, BLOCK_N=t.up_n, BLOCK_K=t.up_k, RNE_BF16=rne, num_warps=t.up_warps, **launch_options(x.device))
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():   # the router's are both: no copy
         weights = weights.float().contiguous()
     _moe_down_sum_rows_kernel[(num_tokens, triton.cdiv(hidden, t.down_n))](
         inter, w2, ids, weights, out, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOPK=topk,
         H=hidden, I=inter_size, BLOCK_S=max(2, triton.next_power_of_2(topk)), BLOCK_N=t.down_n,
-        BLOCK_K=t.down_k, RNE_BF16=rne, num_warps=t.down_warps)
+        BLOCK_K=t.down_k, RNE_BF16=rne, num_warps=t.down_warps, **launch_options(x.device))
     return out
 
 
