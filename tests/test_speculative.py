@@ -240,8 +240,10 @@ def test_drafter_graph_road_drafts_what_the_eager_drafter_drafts(drafter_dir, re
         if graph_drafter:
             proposer.graphs = DrafterGraphs(proposer.drafter, type(runner.backend)(), proposer.kv,
                                             runner.verify_graphs, K)
-            original = proposer.graphs.run
+            original, chain = proposer.graphs.run, proposer.graphs.run_chain
             proposer.graphs.run = lambda rows, output: runs.append(len(rows)) or original(rows, output)
+            # greedy chain steps verify on the device and draft in the same launch
+            proposer.graphs.run_chain = lambda chunks, d, output: runs.append(len(chunks)) or chain(chunks, d, output)
         check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
         assert runs or not graph_drafter, "the drafter never took the graph road"
         drafted.append(drafts)
