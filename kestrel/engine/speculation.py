@@ -11,9 +11,11 @@ A verify step of sequence s (its last token x at position p, drafts d1 .. dk):
                    rejected drafts are simply rewritten by later steps (the blocks stay with the sequence)
 
 Verification is lossless (speculative/verify.py): greedy output is token-identical to decoding without
-speculation and sampled output has the target's distribution. The depth of each step, and whether a sequence
-drafts at all, comes from speculative/adaptive.py's measured goodput, so a step that would not pay decodes
-plainly (and may use the overlap schedule).
+speculation and sampled output has the target's distribution. A greedy chain step on the graph roads is verified
+by the proposer inside its drafting launch (Proposer.verify_greedy_and_draft): no eager op and one read-back a
+step, which is what a small target's 0.5 ms step can afford; other steps verify here, then call observe.
+The depth of each step, and whether a sequence drafts at all, comes from speculative/adaptive.py's measured
+goodput, so a step that would not pay decodes plainly (and may use the overlap schedule).
 """
 from __future__ import annotations
 
