@@ -2,6 +2,8 @@
 torch._scaled_mm with per-token activations (on the CPU), and the quantization arithmetic they share."""
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -55,6 +57,76 @@ def test_fp8_gemv_kernel_matches_torch(block, dtype, m, with_bias):
     tol = 1e-4 if dtype == torch.float32 else 2e-2   # bf16: one rounding of outputs of magnitude ~1
     assert (got.double() - want).abs().max().item() < tol
     assert (fp8_gemv_ref(x, w8, scale, block, bias).double() - want).abs().max().item() < tol
+
+
+def _fp8_gemv_configs():
+    """Every road of fp8_gemv.py at the test shape (K=200: 4 steps of 64, 2 of 128, 1 masked step of 256)."""
+    from kestrel.kernels.triton.fp8_gemv import Fp8GemvConfig
+
+    return {
+        "default": None,                                                              # interpreter: split 2
+        "broadcast": Fp8GemvConfig(block_n=16, block_k=64),                           # pipelined range loop
+        "broadcast-split3-unrolled": Fp8GemvConfig(block_n=16, block_k=64, split_k=3, unroll=True),  # 2 splits
+        "broadcast-wide-step": Fp8GemvConfig(block_n=8, block_k=256, num_warps=8),  # K in one masked step
+        "broadcast-split4": Fp8GemvConfig(block_n=32, block_k=32, split_k=4),       # 4 splits of 2 steps
+        "dot": Fp8GemvConfig(block_n=16, block_k=64, use_dot=True),
+        "dot-split2-unrolled": Fp8GemvConfig(block_n=32, block_k=128, split_k=2, use_dot=True, unroll=True),
+    }
+
+
+FP8_GEMV_CASES = [(torch.float32, 1, True), (torch.bfloat16, 3, False), (torch.bfloat16, 16, True)]
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (16, 32), (32, 48), (128, 128)], ids=str)
+@pytest.mark.parametrize("road", list(_fp8_gemv_configs()))
+@pytest.mark.parametrize("dtype,m,with_bias", FP8_GEMV_CASES, ids=lambda v: str(v).replace("torch.", ""))
+def test_fp8_gemv_configs_match_the_reference(road, block, dtype, m, with_bias):
+    """Each config road (split-K on and off, unrolled and pipelined, broadcast and tensor cores, steps wider than
+    the scale tile: (32, 48) takes 16-wide segments) on fresh inputs against fp8_gemv_ref."""
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref
+
+    seed = 1000 + 17 * m + list(_fp8_gemv_configs()).index(road) + (block[1] if block else 0)
+    x, w8, scale, bias = operands(m, dtype, block, seed=seed, with_bias=with_bias)
+    got = fp8_gemv(x, w8, scale, block, bias, config=_fp8_gemv_configs()[road])
+    assert got.dtype == dtype and got.shape == (m, N)
+    want = fp8_gemv_ref(x.float(), w8, scale, block, None if bias is None else bias.float())   # unrounded
+    # float32: summation order only; bf16: one rounding of the output (the interpreter truncates: < 1 ulp)
+    rel = 0.0 if dtype == torch.float32 else 2 ** -7
+    assert ((got.float() - want).abs() <= rel * want.abs() + 1e-4).all()
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (128, 128)], ids=str)
+@pytest.mark.parametrize("m", [1, 16])
+def test_fp8_gemv_table_config_runs_a_long_k(block, m):
+    """The GPU table's own config (512-byte steps, split-K) at a K of several steps: K=1100 -> 3 steps, 1 split
+    at N=40 (a few programs: the table splits K while each split keeps 2 steps)."""
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv, fp8_gemv_ref, split_plan, table_config
+
+    g = torch.Generator().manual_seed(7 + m)
+    n, k = 40, 1100
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g) * 0.05
+    w8, scale = quantize_per_row(w) if block is None else quantize_per_block(w, block)
+    cfg = table_config(m, n, k)
+    assert cfg.block_k == 512 and split_plan(k, cfg) == (1536, 1)
+    got = fp8_gemv(x, w8, scale, block, config=cfg)
+    assert (got - fp8_gemv_ref(x, w8, scale, block)).abs().max().item() < 1e-4
+    split = replace(cfg, split_k=2)   # and split: 2 ranges of 1024 and 76
+    assert split_plan(k, split) == (1024, 2)
+    got = fp8_gemv(x, w8, scale, block, config=split)
+    assert (got - fp8_gemv_ref(x, w8, scale, block)).abs().max().item() < 1e-4
+
+
+def test_fp8_gemv_table_on_the_8b_layers():
+    """The GPU table (no interpreter needed: plain arithmetic): split-K where N / 16 programs are few."""
+    from kestrel.kernels.triton.fp8_gemv import split_plan, table_config
+
+    plans = {name: split_plan(k, table_config(1, n, k)) for name, (k, n) in
+             {"qkv": (4096, 6144), "o": (4096, 4096), "gate_up": (4096, 28672), "down": (14336, 4096)}.items()}
+    assert plans == {"qkv": (2048, 2), "o": (1024, 4), "gate_up": (4096, 1), "down": (3584, 4)}
+    assert table_config(16, 4096, 14336).use_dot and not table_config(4, 4096, 14336).use_dot
 
 
 def test_quantizers_keep_every_value_within_half_an_fp8_step():
@@ -127,6 +199,42 @@ def test_skinny_kernels_take_fp8_weights_with_row_scales(path, dtype, m):
     _close(gemv.silu_mul_gemv(gate_up, w8, bias, config, w_scale=scale), gemv.silu_mul_gemv_ref(gate_up, w, bias))
 
 
+def test_skinny_table_gives_fp8_weights_the_bf16_step_bytes():
+    """gemv.py's table for 1-byte weights: twice the K elements a step (the bf16 step's bytes) on 8 warps; the bf16
+    choices are the tuned ones (the docstring's examples)."""
+    from kestrel.kernels.triton.gemv import GemvConfig, table_config
+
+    assert table_config(1, 4096, 14336) == GemvConfig(16, 512, False, num_warps=4, num_stages=3, unroll=False)
+    assert table_config(1, 4096, 14336, element_size=1) == GemvConfig(16, 1024, False, num_warps=8)
+    assert table_config(1, 28672, 4096) == GemvConfig(32, 256, False)
+    assert table_config(1, 28672, 4096, element_size=1) == GemvConfig(32, 512, False, num_warps=8)
+    # tensor cores: the bf16 step (the x operand's registers bound it)
+    assert table_config(16, 6144, 4096, element_size=1) == table_config(16, 6144, 4096) == GemvConfig(16, 512, True)
+    # whole slices are bounded by registers (elements), not bytes: the same for both
+    assert table_config(1, 1024, 3072, True, 1) == table_config(1, 1024, 3072, True) == GemvConfig(4, 4096, False,
+                                                                                                    num_warps=8)
+
+
+@interpreted_only
+@pytest.mark.parametrize("m", [1, 3, 16])
+def test_skinny_fp8_table_config_matches_reference(m):
+    """gemv.py's FP8 table config itself (2 x the bf16 K step) at a K of several of its steps, with the norm fold."""
+    from kestrel.kernels.triton import gemv
+
+    g = torch.Generator().manual_seed(60 + m)
+    n, k = 40, 5000
+    x = torch.randn(m, k, generator=g)
+    w8, scale = quantize_per_row(torch.randn(n, k, generator=g) * 0.05)
+    cfg = gemv.table_config(m, n, k, element_size=1)
+    assert cfg.block_k == (1 if cfg.use_dot else 2) * gemv.table_config(m, n, k).block_k
+    w = dequantize(w8, scale)
+    _close(gemv.gemv(x, w8, None, cfg, w_scale=scale), gemv.gemv_ref(x, w))
+    residual = torch.randn(m, k, generator=g)
+    norm_w = 1 + 0.1 * torch.randn(k, generator=g)
+    out, _ = gemv.add_rms_norm_gemv(x, residual, norm_w, 1e-5, w8, None, cfg, w_scale=scale)
+    _close(out, gemv.add_rms_norm_gemv_ref(x, residual, norm_w, 1e-5, w)[0])
+
+
 @interpreted_only
 @pytest.mark.parametrize("block", [None, (32, 32)], ids=["row", "block"])
 def test_fp8_method_runs_decode_rows_through_the_kernels(block):
@@ -162,3 +270,35 @@ def test_fp8_method_runs_decode_rows_through_the_kernels(block):
         want, want_res = layers[1].norm_forward(x, residual, norm)
         assert (got - want).abs().max().item() < 1e-4 and torch.equal(got_res, want_res)
     assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_gemv"])
+
+
+# -- fp8_gemv.py builds for sm_90 (Triton's ptxas, no GPU): a compile error costs no device time ----------------
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
+@pytest.mark.parametrize("layer,m,block", [("qkv", 1, (128, 128)), ("down", 1, None), ("down", 16, (128, 128)),
+                                           ("gate_up", 4, None)], ids=str)
+def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block):
+    """The table's config for an 8B layer compiles; the first step's weights (16-byte loads) come before the PDL
+    wait, and the split-K launch's sum kernel builds too."""
+    import triton
+
+    from kestrel.kernels.triton.fp8_gemv import (_fp8_gemv_kernel, _seg, _split_sum_kernel, split_plan,
+                                                 table_config)
+    from tests.sm90 import compile_for_sm90
+
+    k, n = {"qkv": (4096, 6144), "down": (14336, 4096), "gate_up": (4096, 28672)}[layer]
+    cfg = table_config(m, n, k)
+    k_split, splits = split_plan(k, cfg)
+    constexprs = dict(K=k, K_SPLIT=k_split, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
+                      SCALE_BK=block[1] if block else 1, HAS_BIAS=True, BLOCK_M=16 if cfg.use_dot else
+                      triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SEG=_seg(cfg, block),
+                      USE_DOT=cfg.use_dot, UNROLL=cfg.unroll, PARTIAL=splits > 1, DOT_FP32=False,
+                      DOT_PRECISION="tf32", USE_PDL=True)
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if splits > 1 else "*bf16"}
+    ptx = compile_for_sm90(_fp8_gemv_kernel, constexprs, types, dict(num_warps=cfg.num_warps,
+                                                                     num_stages=cfg.num_stages))
+    assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
+    assert ("mma" in ptx) == cfg.use_dot
+    if splits > 1:
+        compile_for_sm90(_split_sum_kernel, dict(SPLITS=splits, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
+                         {"ws_ptr": "*fp32"}, dict(num_warps=4))

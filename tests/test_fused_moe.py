@@ -225,3 +225,71 @@ def test_softmax_topk_kernel_equals_the_reference(tokens, experts, k, renormaliz
     ours, ref = softmax_topk_triton(logits, k, renormalize), softmax_topk(logits, k, renormalize)
     assert torch.equal(ours.topk_ids, ref.topk_ids)
     torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+DECODE_CASES = [  # (tokens, experts, topk, hidden, inter, pick): the rows path's decode shapes, Qwen3-MoE-like
+    (1, 16, 8, 128, 48, None),                          # bs1 top-8: 8 of 16 experts busy, I off the blocks
+    (3, 16, 8, 96, 40, None),                           # H off the K step too
+    (8, 16, 8, 128, 48, [0, 2, 3, 5, 7, 11, 13, 15]),   # bs8 (64 rows, ROWS_PATH_MAX): all tokens, same 8
+    (5, 12, 1, 64, 32, [9]),                            # top-1, every token on expert 9 (others idle)
+    (2, 8, 3, 64, 32, None),                            # k not a power of two: padded slots
+]
+
+
+@interpreted_only
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("case", DECODE_CASES)
+def test_rows_path_sums_the_slots_with_the_reference_roundings(case, dtype):
+    """The rows path's down kernel writes each token's weighted sum over its k slots itself (no rows_out buffer,
+    no torch sum): to float32 rounding of the reference in float32, and in bf16 the same roundings at the same
+    points (F.linear's gate, up, silu(gate) * up and each expert's output, the one cast at the end), so only the
+    float32 sums' order (slots, not experts) separates the two: a bf16 ulp at the most."""
+    from kestrel.kernels.triton.fused_moe import fused_experts_triton
+
+    tokens, experts, topk, hidden, inter, pick = case
+    gen = torch.Generator().manual_seed(tokens * 7 + topk)
+    x, w13, w2, ids, weights = random_problem(tokens, experts, topk, hidden, inter, dtype, gen, pick)
+    ours = fused_experts_triton(x, w13, w2, ids, weights, path="rows")
+    ref = fused_experts_torch(x, w13, w2, ids, weights)
+    assert ours.dtype == ref.dtype and ours.shape == ref.shape
+    if dtype == torch.float32:
+        torch.testing.assert_close(ours, ref, atol=2e-5, rtol=2e-5)
+    else:
+        torch.testing.assert_close(ours.float(), ref.float(), atol=2 ** -8 * ref.float().abs().max().item(),
+                                   rtol=2 ** -7)
+
+
+@interpreted_only
+@pytest.mark.parametrize("tokens,experts,hidden,k,renormalize", [(1, 128, 256, 8, True), (3, 60, 96, 4, False),
+                                                                  (16, 8, 64, 2, True), (17, 8, 64, 2, True)])
+def test_router_gemv_kernel_then_softmax_topk_equals_router_then_reference(tokens, experts, hidden, k,
+                                                                            renormalize):
+    """The router GEMV folded into the Triton routing (two launches at decode): bf16 hidden states against the
+    float32 router weight give Router's float32 logits (F.linear(x.float(), W)) to float32 rounding, and the same
+    experts in the same order as the reference routing; E not a multiple of the block (60), H off the step (96);
+    17 tokens: past ROUTER_GEMV_MAX_TOKENS, the cuBLAS road."""
+    from kestrel.kernels.triton.moe_routing import router_logits_triton, router_softmax_topk_triton
+
+    gen = torch.Generator().manual_seed(tokens + experts)
+    x = torch.randn(tokens, hidden, generator=gen).to(torch.bfloat16)
+    weight = torch.randn(experts, hidden, generator=gen) * 0.2
+    ref_logits = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(router_logits_triton(x, weight), ref_logits, rtol=1e-5, atol=1e-5)
+    ours, ref = router_softmax_topk_triton(x, weight, k, renormalize), softmax_topk(ref_logits, k, renormalize)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+
+
+def test_softmax_models_route_from_the_hidden_states_only_with_the_triton_routing():
+    """Qwen3-MoE / Mixtral layers take route_hidden (router GEMV folded into the routing) from
+    LayerOps.softmax_topk's `from_hidden`: the Triton routing offers it, the torch routing does not."""
+    from dataclasses import replace
+
+    from kestrel.kernels.triton.moe_routing import router_softmax_topk_triton, softmax_topk_triton
+    from kestrel.layers.ops import TORCH_OPS
+    from kestrel.models.llama_moe import _softmax_route_hidden
+
+    assert softmax_topk_triton.from_hidden is router_softmax_topk_triton
+    cfg = type("Cfg", (), {"num_experts_per_tok": 2, "norm_topk_prob": True})()
+    assert _softmax_route_hidden(cfg, TORCH_OPS) is None
+    assert _softmax_route_hidden(cfg, replace(TORCH_OPS, softmax_topk=softmax_topk_triton)) is not None

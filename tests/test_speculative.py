@@ -240,10 +240,67 @@ def test_drafter_graph_road_drafts_what_the_eager_drafter_drafts(drafter_dir, re
         if graph_drafter:
             proposer.graphs = DrafterGraphs(proposer.drafter, type(runner.backend)(), proposer.kv,
                                             runner.verify_graphs, K)
-            original = proposer.graphs.run
+            original, chain = proposer.graphs.run, proposer.graphs.run_chain
             proposer.graphs.run = lambda rows, output: runs.append(len(rows)) or original(rows, output)
+            # greedy chain steps verify on the device and draft in the same launch
+            proposer.graphs.run_chain = lambda chunks, d, output: runs.append(len(chunks)) or chain(chunks, d, output)
         check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
         assert runs or not graph_drafter, "the drafter never took the graph road"
         drafted.append(drafts)
     assert sum(len(d) for d in drafted[0]) > 100
     assert drafted[0] == drafted[1]
+
+
+def on_graph_roads(llm: LLM) -> list[int]:
+    """The GPU's verify and drafter roads on the CPU (bodies run eagerly); returns the list each greedy chain step
+    that verified on the device appends its batch size to."""
+    from kestrel.forward.decode_graphs import DecodeGraphs
+    from kestrel.speculative.drafter_graphs import DrafterGraphs
+
+    runner, proposer = llm.engine.runner, llm.engine.spec.proposer
+    runner.verify_graphs = DecodeGraphs(runner, max_bs=32, max_blocks_per_seq=128, max_rows=256, query_len=K + 1)
+    proposer.graphs = DrafterGraphs(proposer.drafter, type(runner.backend)(), proposer.kv, runner.verify_graphs, K)
+    fused, chain = [], proposer.graphs.run_chain
+    proposer.graphs.run_chain = lambda chunks, d, output: fused.append(len(chunks)) or chain(chunks, d, output)
+    return fused
+
+
+def test_device_verified_chain_with_preemption_and_the_prefix_cache(drafter_dir):
+    """Greedy chain steps verified inside the drafter's launch (one read-back a step), with 16-token prefill
+    chunks, a cache small enough to preempt and a second pass on the prefix cache: token-identical."""
+    prompts = [p * 3 for p in PROMPTS[:12]]
+    params = [greedy(40)] * len(prompts)
+    kw = dict(device="cpu", max_num_batched_tokens=16, num_gpu_blocks_override=24)
+    want = token_ids(LLM(**kw).generate(prompts, params))
+    llm = LLM(speculative_config=spec_configs(drafter_dir)["eagle3"], **kw)
+    fused = on_graph_roads(llm)
+    for _ in range(2):
+        check_identical(llm, prompts, params, want)
+    assert fused and llm.engine.scheduler.num_preemptions > 0
+
+
+def test_device_verified_chain_with_stops_min_tokens_and_sampled_rows(drafter_dir):
+    """Stops inside an accepted run (EOS, stop tokens, max_tokens), min_tokens (verified on the host while a stop
+    is banned) and a sampled row in the batch (the host's verification for those steps): the greedy rows stay
+    token-identical to decoding without speculation."""
+    prompts = PROMPTS[:10]
+    plain_llm = LLM(device="cpu")
+    free = token_ids(plain_llm.generate(prompts, greedy(24)))
+    # stop on a token each greedy continuation really produces, at some point inside the output
+    params = [SamplingParams(max_tokens=24, temperature=0), SamplingParams(max_tokens=24, temperature=0,
+                                                                           stop_token_ids=[free[1][9]]),
+              SamplingParams(max_tokens=24, temperature=0, min_tokens=12, stop_token_ids=[free[2][5], free[2][13]]),
+              SamplingParams(max_tokens=7, temperature=0, ignore_eos=True)]
+    params += [SamplingParams(max_tokens=5 + 3 * i, temperature=0, stop_token_ids=[free[i][4 + i]])
+               for i in range(4, len(prompts))]
+    want = token_ids(plain_llm.generate(prompts, params))
+    for sampled in (False, True):
+        llm = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)["eagle3"])
+        fused = on_graph_roads(llm)
+        batch, batch_params = list(prompts), list(params)
+        if sampled:
+            batch.append(PROMPTS[11])
+            batch_params.append(SamplingParams(max_tokens=10, temperature=1.0, seed=3, ignore_eos=True))
+        got = token_ids(llm.generate(batch, batch_params))
+        assert got[:len(prompts)] == want
+        assert fused

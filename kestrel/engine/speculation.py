@@ -11,9 +11,11 @@ A verify step of sequence s (its last token x at position p, drafts d1 .. dk):
                    rejected drafts are simply rewritten by later steps (the blocks stay with the sequence)
 
 Verification is lossless (speculative/verify.py): greedy output is token-identical to decoding without
-speculation and sampled output has the target's distribution. The depth of each step, and whether a sequence
-drafts at all, comes from speculative/adaptive.py's measured goodput, so a step that would not pay decodes
-plainly (and may use the overlap schedule).
+speculation and sampled output has the target's distribution. A greedy chain step on the graph roads is verified
+by the proposer inside its drafting launch (Proposer.verify_greedy_and_draft): no eager op and one read-back a
+step, which is what a small target's 0.5 ms step can afford; other steps verify here, then call observe.
+The depth of each step, and whether a sequence drafts at all, comes from speculative/adaptive.py's measured
+goodput, so a step that would not pay decodes plainly (and may use the overlap schedule).
 """
 from __future__ import annotations
 
@@ -83,6 +85,7 @@ class SpeculativeDecoding:
         self._this_step: tuple[int, int] | None = None   # (batch size, depth) of the step being run, if timed
         self._last_end = None          # the previous step's end: a CUDA event (GPU) or perf_counter seconds
         self._periods: list = []       # (begin event, end event, (batch size, depth)) not yet finished
+        self._sampling_cache: tuple[tuple, object] | None = None   # see _sampling_batch
 
     @staticmethod
     def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv,
@@ -159,14 +162,15 @@ class SpeculativeDecoding:
             chunks, drafts = self._tree_chunks(seqs, wanted)
         self._lap("propose", started)
         output = eng.runner.execute(chunks)
+        if self._fusable(seqs):
+            fused = self.proposer.verify_greedy_and_draft(chunks, drafts, output)
+            if fused is not None:
+                return self._finish_fused(seqs, drafts, fused)
         q = max(len(c.tokens) for c in chunks)
         offsets, logits = _uniform_rows(output.logits, [len(c.tokens) for c in chunks], q)   # row b * q + j
         self._mask_stops_before_min_tokens(seqs, logits, q)
-        params = [seq.params for seq in seqs]
-        max_logprobs = max((p.logprobs or 0) for p in params)
-        sampling = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
-                                       [p.top_p for p in params], [p.min_p for p in params],
-                                       [seq.generator for seq in seqs], max_logprobs, logits.device)
+        max_logprobs = max((seq.params.logprobs or 0) for seq in seqs)
+        sampling = self._sampling_batch(seqs, max_logprobs, logits.device)
         if self.tree is None:
             accepted, out, paths = self._verify_chain(logits, drafts, q, sampling)
         else:
@@ -186,17 +190,7 @@ class SpeculativeDecoding:
         for b, seq in enumerate(seqs):
             start = seq.num_computed_tokens
             new = out[b][:accepted[b] + 1]
-            kept, reason = 0, None
-            for token in new:
-                seq.output_token_ids.append(token)
-                kept += 1
-                reason = eng._stop_reason(seq, token)
-                if reason is not None:
-                    break
-            eng.generation_tokens_total += kept
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            seq.num_computed_tokens = start + kept   # x and the kept drafts; the last new token is not computed
+            kept, reason = self._append(seq, new, now)
             lp = None
             if logprob_rows is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
@@ -224,6 +218,70 @@ class SpeculativeDecoding:
             self._this_step = (len(seqs), self.max_depth if self.tree is not None else max(num_drafts))
         return updates
 
+    def _fusable(self, seqs: list[Sequence]) -> bool:
+        """Whether the proposer may verify this chain step itself (greedy, on the device, with its drafting): every
+        row greedy, without logprobs or a min_tokens ban (those need the logits on the host's terms)."""
+        if self.tree is not None or self.synthetic_rate is not None:
+            return False
+        eng = self.engine
+        return all(seq.params.greedy and seq.params.logprobs is None
+                   and not (seq.num_output_tokens < seq.params.min_tokens and eng.stop_tokens_under_min_tokens(seq))
+                   for seq in seqs)
+
+    def _finish_fused(self, seqs: list[Sequence], drafts: list[list[int]],
+                      fused: list[tuple[int, list[int], list[list[int]]]]) -> list[SampleUpdate]:
+        """The bookkeeping of a step the proposer verified and drafted after (verify_greedy_and_draft)."""
+        eng = self.engine
+        self._lap("verify")
+        updates = []
+        now = time.monotonic()
+        for seq, d, (accepted, new, steps) in zip(seqs, drafts, fused):
+            kept, reason = self._append(seq, new, now)
+            self.counters.record(len(d), accepted)
+            self.policy.record_acceptance(seq.seq_id, len(d), accepted)
+            if reason is not None:
+                eng.scheduler.finish(seq, reason)
+                self.forget(seq.seq_id)
+            else:
+                self.proposer.keep_drafts(seq.seq_id, seq.num_tokens, steps[:self._next_depth(seq)])
+            updates.append(eng._update(seq, new[:kept], None))
+            if reason is not None:
+                eng._forget_if_done(seq.request_id)
+        self._lap("bookkeeping")
+        self._lap("draft")   # drafting ran inside the verify launch: nothing left
+        if any(drafts):
+            self._this_step = (len(seqs), max(len(d) for d in drafts))
+        return updates
+
+    def _append(self, seq: Sequence, new: list[int], now: float) -> tuple[int, str | None]:
+        """Append a verify step's new tokens up to the first stop: (how many were kept, the stop reason)."""
+        eng = self.engine
+        start = seq.num_computed_tokens
+        kept, reason = 0, None
+        for token in new:
+            seq.output_token_ids.append(token)
+            kept += 1
+            reason = eng._stop_reason(seq, token)
+            if reason is not None:
+                break
+        eng.generation_tokens_total += kept
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+        seq.num_computed_tokens = start + kept   # x and the kept drafts; the last new token is not computed
+        return kept, reason
+
+    def _sampling_batch(self, seqs: list[Sequence], max_logprobs: int, device: torch.device):
+        """The rows' sampling settings on the device, made once per set of rows (as the overlap schedule's): a
+        bs1 stream verifies the same rows step after step, and the copy costs more than the verification."""
+        key = (tuple(seq.seq_id for seq in seqs), max_logprobs)
+        if self._sampling_cache is None or self._sampling_cache[0] != key:
+            params = [seq.params for seq in seqs]
+            batch = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
+                                        [p.top_p for p in params], [p.min_p for p in params],
+                                        [seq.generator for seq in seqs], max_logprobs, device)
+            self._sampling_cache = (key, batch)
+        return self._sampling_cache[1]
+
     def _chain_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
         """Each sequence's verify chunk [last token, d1 .. dk], and its drafts."""
         eng = self.engine
@@ -241,12 +299,26 @@ class SpeculativeDecoding:
                 and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
             width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
             padded = [d + [0] * (width - len(d)) for d in drafts]
+            if self._fusable(seqs):
+                for seq in seqs:
+                    self._grow_for_drafting(seq)
         else:   # the eager road takes chunks of any length: no padding
             padded = drafts
         chunks = [SequenceChunk(seq.seq_id, [seq.output_token_ids[-1]] + d, seq.num_computed_tokens, seq.block_ids,
                                 seq.num_preemptions, True, all_logits=bool(width))
                   for seq, d in zip(seqs, padded)]
         return chunks, drafts
+
+    def _grow_for_drafting(self, seq: Sequence) -> None:
+        """Before a step the proposer verifies and drafts after in one launch: the blocks its drafting writes K/V
+        into (positions up to num_tokens + 2K - 1 after the step), which the host would otherwise grow only after
+        reading the step back. Past the sequence's last possible token nothing it drafts is ever used. Without
+        blocks (a full pool) the drafts past them are only guessed worse."""
+        p = seq.params
+        limit = self.engine.max_model_len
+        if p.max_tokens is not None:
+            limit = min(limit, seq.num_prompt_tokens + p.max_tokens)
+        self.engine.scheduler.grow(seq, min(seq.num_tokens + 2 * self.max_depth, limit))
 
     def _tree_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
         """Each sequence's tree verify chunk [last token, the tree's nodes in BFS order] (speculative/tree.py), and
@@ -276,10 +348,10 @@ class SpeculativeDecoding:
     def _verify_chain(self, logits: torch.Tensor, drafts: list[list[int]], q: int, sampling
                       ) -> tuple[list[int], list[list[int]], list[list[int]]]:
         width = q - 1
-        num_drafts = [len(d) for d in drafts]
-        draft_tensor = torch.tensor([d + [-1] * (width - len(d)) for d in drafts], dtype=torch.int64)
-        accepted_t, out_t = verify_chain(logits, draft_tensor.to(logits.device).view(len(drafts), width),
-                                         torch.tensor(num_drafts, device=logits.device), sampling,
+        # one copy for the drafts and their counts
+        packed = torch.tensor([d + [-1] * (width - len(d)) + [len(d)] for d in drafts],
+                              dtype=torch.int64).to(logits.device).view(len(drafts), width + 1)
+        accepted_t, out_t = verify_chain(logits, packed[:, :width], packed[:, width], sampling,
                                          synthetic_acceptance_rate=self.synthetic_rate)
         table = torch.cat([accepted_t[:, None], out_t], dim=1).tolist()   # one read-back
         accepted, out = [row[0] for row in table], [row[1:] for row in table]
@@ -354,12 +426,17 @@ class SpeculativeDecoding:
     def _computed_rows(self, seq: Sequence, start: int, count: int, hidden_offset: int,
                        hidden_rows: list[int] | None = None) -> ComputedRows:
         """What a step computed for the sequence; it drafts for its next verify step if blocks allow."""
+        depth = self._next_depth(seq)
+        return ComputedRows(seq.seq_id, start, count, seq.tokens_at(start + 1, count), seq.block_ids,
+                            hidden_offset, depth, hidden_rows)
+
+    def _next_depth(self, seq: Sequence) -> int:
+        """The drafts the sequence drafts for its next verify step: the full depth if it has room and blocks."""
         depth = self.max_depth if self._room(seq) > 0 else 0
         # The drafter writes K/V up to position num_tokens + depth - 2; the next verify step needs the rest.
         if depth and not self.engine.scheduler.grow(seq, seq.num_tokens + depth):
             depth = 0
-        return ComputedRows(seq.seq_id, start, count, seq.tokens_at(start + 1, count), seq.block_ids,
-                            hidden_offset, depth, hidden_rows)
+        return depth
 
     def observe_plain_step(self, rows: list[ScheduledSeq], output: ForwardOutput) -> None:
         """After a step without speculation: the drafter follows prompt chunks (cheap next to the target's

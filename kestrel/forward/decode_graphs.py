@@ -122,9 +122,10 @@ class DecodeGraphs:
         pin = device.type == "cuda"   # pinned: the copies are truly async
         self.host_buffers = [torch.zeros(size, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
         self.token_buffers = [torch.zeros(max_bs * q, dtype=torch.int64, pin_memory=pin) for _ in range(2)]
+        self._host_nps = [b.numpy() for b in self.host_buffers]   # made once: .numpy() costs ~10 us a call
         self._turn = 0
         self.host = self.host_buffers[0]
-        self.host_np = self.host.numpy()
+        self.host_np = self._host_nps[0]
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(0, max_bs * q + 1, q, dtype=torch.int64, device=device)
         self.max_kv_len = max_blocks_per_seq * runner.block_size
@@ -236,7 +237,7 @@ class DecodeGraphs:
     def _next_host_buffer(self) -> None:
         self._turn ^= 1
         self.host = self.host_buffers[self._turn]
-        self.host_np = self.host.numpy()
+        self.host_np = self._host_nps[self._turn]
 
     def _fill_padding(self, start: int, stop: int, upd_start: int) -> None:
         """Rows start .. stop - 1 become padding (their tokens at start * Q .. stop * Q - 1)."""

@@ -233,11 +233,17 @@ class SparseMoE(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int,
                  route: Callable[[torch.Tensor, Router], Routing], impl: ExpertsImpl,
                  silu_and_mul: Callable[[torch.Tensor], torch.Tensor], correction_bias: bool = False,
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, route_hidden: Callable[[torch.Tensor, Router], Routing] | None = None
+                 ) -> None:
         super().__init__()
         self.gate = Router(num_experts, hidden_size, correction_bias)
         self.experts = FusedExperts(num_experts, hidden_size, intermediate_size, impl, silu_and_mul, tp)
         self.route = route
+        # route(gate(x)) in one call from x itself, where the routing's kernels fold the router GEMV in
+        # (kernels/triton/moe_routing.py: router_softmax_topk_triton); it must equal route(gate(x), gate)
+        self.route_hidden = route_hidden
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.route_hidden is not None:
+            return self.experts(x, self.route_hidden(x, self.gate))
         return self.experts(x, self.route(self.gate(x), self.gate))

@@ -59,10 +59,11 @@ class MoEMLP(SparseMoE):
     as a dense MLP does."""
 
     def __init__(self, cfg: ModelConfig, ops: LayerOps, route: Callable[[torch.Tensor, Router], Routing],
-                 correction_bias: bool = False, tp: TPGroup = SINGLE) -> None:
+                 correction_bias: bool = False, tp: TPGroup = SINGLE,
+                 route_hidden: Callable[[torch.Tensor, Router], Routing] | None = None) -> None:
         check_experts_split(cfg, tp)
         super().__init__(cfg.num_experts, cfg.hidden_size, cfg.moe_intermediate_size, route, ops.fused_moe,
-                         ops.silu_and_mul, correction_bias, tp)
+                         ops.silu_and_mul, correction_bias, tp, route_hidden)
         self.tp = tp
         # DeepSeek: an always-on MLP beside the routed experts, as wide as n_shared experts together; its
         # down_proj leaves its partial sums unreduced, for the one all-reduce below
@@ -103,6 +104,15 @@ def _softmax_route(cfg: ModelConfig, route: Callable[[torch.Tensor, int, bool], 
     return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)   # LayerOps.softmax_topk
 
 
+def _softmax_route_hidden(cfg: ModelConfig, ops: LayerOps) -> Callable[[torch.Tensor, Router], Routing] | None:
+    """_softmax_route(gate(x)) from x in one call, where LayerOps.softmax_topk offers it (`from_hidden`: the Triton
+    routing, which folds the float32 router GEMV into its launches at decode); None: the router, then routing."""
+    from_hidden = getattr(ops.softmax_topk, "from_hidden", None)
+    if from_hidden is None:
+        return None
+    return lambda x, gate: from_hidden(x, gate.weight, cfg.num_experts_per_tok, cfg.norm_topk_prob)
+
+
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
         super().__init__(cfg, ops, tp)
@@ -115,7 +125,8 @@ class Qwen3MoeForCausalLM(LlamaForCausalLM):
         if index in cfg.dense_layers:
             return DecoderLayer(cfg, rotary, ops, tp)
         return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk),
-                                                        tp=tp), tp=tp)
+                                                        tp=tp, route_hidden=_softmax_route_hidden(cfg, ops)),
+                               tp=tp)
 
 
 class MixtralForCausalLM(LlamaForCausalLM):
@@ -127,5 +138,6 @@ class MixtralForCausalLM(LlamaForCausalLM):
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
         route = partial(_softmax_route, cfg, ops.softmax_topk)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route, tp=tp), mlp_name="block_sparse_moe",
-                               tp=tp)
+        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route, tp=tp,
+                                                        route_hidden=_softmax_route_hidden(cfg, ops)),
+                               mlp_name="block_sparse_moe", tp=tp)

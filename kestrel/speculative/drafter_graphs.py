@@ -13,17 +13,25 @@ A verify step of sequence i computed positions p .. p + Q - 1 (Q = K + 1) and ke
                 predicts d_{j+1}. Its K/V is written where the sequence has blocks (else slot -1: it drafts for
                 nothing a verify step will read).
 
+A greedy chain step can leave verification itself to the graph (run_chain): count = n + 1, n the drafts that
+equal the verify graph's argmax tokens up to the first that does not, and the extend's tokens are those argmax
+tokens. Then the verify step and the drafter need no read-back between them: the host reads the accepted counts,
+the new tokens and the next drafts in one copy, and launches no eager op (on a 0.5 ms target each sync and each
+launch is a visible share of the step).
+
 The packed input buffer (int64, one host-to-device copy a launch):
 
-    | tokens [B*Q] | positions [B*Q] | slots [B*Q] | hidden_rows [B*Q] | kv_lens [B] | rows [B] | last [B] |
-    | draft_pos [B] | covered [B] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
+    | tokens [B*Q] | positions [B*Q] | slots [B*Q] | hidden_rows [B*Q] | kv_lens [B] | rows [B] | count [B] |
+    | covered [B] | num_drafts [B] | drafts [B*(Q-1)] | upd_rows [U] | upd_cols [U] | upd_vals [U] |
       hidden_rows: the verify output row each extend row reads (a tree's accepted path skips nodes; a chain's
-      rows are its own); last: index of the extend row at p + count - 1; draft_pos: p + count; covered:
-      positions with blocks
+      rows are its own); count: the extend's real rows (-1: verify greedily on the device: tokens come from the
+      verify graph, slots are given for all Q rows); covered: positions with blocks; drafts, num_drafts: the
+      verify chunk's drafts (count -1 only)
       rows: the sequence's block-table row, shared with the verify graphs (their `tables`, their bookkeeping)
 
-Output: drafts [B, K, topk] int64 on the device (each step's top-k tokens; the chain follows the first), read
-back once.
+Output [B, 1 + Q + K*topk] int64 on the device, read back once: the accepted drafts n (count - 1), the chain's
+new tokens (the accepted drafts then the target's token, -1 after; count -1 only), each draft step's top-k
+tokens (the chain follows the first).
 """
 from __future__ import annotations
 
@@ -32,7 +40,7 @@ import logging
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch, ForwardOutput
+from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.forward.decode_graphs import DecodeGraphs, pack_fields, try_capture
 from kestrel.progress import Progress
 from kestrel.speculative.proposer import ComputedRows
@@ -53,7 +61,8 @@ def top_candidates(drafter, normed: torch.Tensor, topk: int) -> tuple[torch.Tens
 def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
     """The packed input buffer's fields as name -> (offset, length), and its size."""
     fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots", "hidden_rows")]
-    fields += [(name, max_bs) for name in ("kv_lens", "rows", "last", "draft_pos", "covered")]
+    fields += [(name, max_bs) for name in ("kv_lens", "rows", "count", "covered", "num_drafts")]
+    fields += [("drafts", max_bs * (q - 1))]
     fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
     return pack_fields(fields)
 
@@ -81,6 +90,7 @@ class DrafterGraphs:
         self.dev = torch.zeros(size, dtype=torch.int64, device=device)
         self.query_start_loc = torch.arange(0, self.max_bs * self.q + 1, self.q, dtype=torch.int64, device=device)
         self.decode_start_loc = torch.arange(0, self.max_bs + 1, dtype=torch.int64, device=device)
+        self.query_index = torch.arange(self.q, dtype=torch.int64, device=device)   # j of a row's Q query rows
         self.max_kv_len = verify.max_kv_len
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.outputs: dict[int, torch.Tensor] = {}
@@ -98,21 +108,29 @@ class DrafterGraphs:
         tables = self.verify.tables
         tables.index_put_((self._view("upd_rows"), self._view("upd_cols")), self._view("upd_vals"))
         block_table = tables.index_select(0, self._view("rows", bs))
-        hidden = self.verify.outputs[bs].hidden_states
-        aux = torch.cat([hidden[layer] for layer in self.aux_layers], dim=-1).index_select(
+        verified = self.verify.outputs[bs]
+        aux = torch.cat([verified.hidden_states[layer] for layer in self.aux_layers], dim=-1).index_select(
             0, self._view("hidden_rows", n))
-        last = self._view("last", bs)
+        accepted, chain_tokens = self._greedy_chain(verified.tokens, bs)
+        host_count = self._view("count", bs)
+        by_host = host_count >= 0
+        count = torch.where(by_host, host_count, accepted + 1)
+        tokens = torch.where(by_host[:, None], self._view("tokens", n).view(bs, q), chain_tokens.clamp(min=0))
+        # rows past count are padding: no K/V written, outputs never read
+        slots = torch.where(self.query_index < count[:, None], self._view("slots", n).view(bs, q), -1)
+        last = self.query_start_loc[:bs] + count - 1   # the extend row at p + count - 1 predicts d1
         extend = ForwardBatch(
-            input_ids=self._view("tokens", n), positions=self._view("positions", n),
+            input_ids=tokens.view(n), positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[:bs + 1], kv_lens=self._view("kv_lens", bs),
-            block_table=block_table, slot_mapping=self._view("slots", n), logits_at=last,
+            block_table=block_table, slot_mapping=slots.view(n), logits_at=last,
             max_query_len=q, max_kv_len=self.max_kv_len)
         self.backend.prepare(extend)
         normed, recurrent = drafter(extend, aux, self.backend, self.kv)
         token, candidates = self._next(normed)
         state = recurrent.index_select(0, last)
         drafted = [candidates]
-        pos, covered = self._view("draft_pos", bs), self._view("covered", bs)
+        pos = self._view("positions", n).view(bs, q)[:, 0] + count   # the first draft step's row: p + count
+        covered = self._view("covered", bs)
         max_col = block_table.shape[1] - 1
         for _ in range(self.depth - 1):
             col = torch.clamp(pos // block_size, max=max_col)
@@ -129,7 +147,20 @@ class DrafterGraphs:
             token, candidates = self._next(normed)
             drafted.append(candidates)
             pos = pos + 1
-        return torch.stack(drafted, dim=1)
+        drafts = torch.stack(drafted, dim=1).view(bs, -1)
+        return torch.cat([(count - 1)[:, None], chain_tokens, drafts], dim=1)
+
+    def _greedy_chain(self, target: torch.Tensor, bs: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy verification of each row's chunk [x, d1 .. dk] against the verify graph's argmax tokens target
+        [bs * Q] (target[j]: the target's token after query token j): (n [bs]: the drafts up to the first that is
+        not the argmax, tokens [bs, Q]: the argmax tokens at j <= n, -1 after). speculative/verify.py's rule for
+        deterministic drafts and one-hot p: the accepted drafts are the argmax tokens, and so is the last one."""
+        q = self.q
+        target = target.view(bs, q)
+        drafts = self._view("drafts", bs * (q - 1)).view(bs, q - 1)
+        ok = (drafts == target[:, :q - 1]) & (self.query_index[:q - 1] < self._view("num_drafts", bs)[:, None])
+        accepted = ok.long().cumprod(dim=1).sum(dim=1)
+        return accepted, torch.where(self.query_index <= accepted[:, None], target, -1)
 
     def _next(self, normed: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the drafter's greedy token [B], its top-k tokens [B, topk]), in the target's vocabulary."""
@@ -164,8 +195,8 @@ class DrafterGraphs:
         for name, value in (("tokens", 0), ("positions", 0), ("slots", -1), ("hidden_rows", 0)):
             base = L[name][0]
             h[base + start * q:base + stop * q] = value
-        for name, value in (("kv_lens", q), ("rows", self.verify.dummy_row), ("last", 0), ("draft_pos", 0),
-                            ("covered", 0)):
+        for name, value in (("kv_lens", q), ("rows", self.verify.dummy_row), ("count", 1), ("covered", 0),
+                            ("num_drafts", 0)):
             base = L[name][0]
             h[base + start:base + stop] = value
         for name, value in (("upd_rows", self.verify.dummy_row), ("upd_cols", 0), ("upd_vals", 0)):
@@ -193,19 +224,64 @@ class DrafterGraphs:
             h[hid_at + at:hid_at + at + r.count] = r.rows()
             h[slot_at + at:slot_at + at + r.count] = [
                 blocks[p // block_size] * block_size + p % block_size for p in range(r.start, r.start + r.count)]
-            for name, value in (("kv_lens", r.start + q), ("rows", row), ("last", at + r.count - 1),
-                                ("draft_pos", r.start + r.count), ("covered", len(blocks) * block_size)):
+            for name, value in (("kv_lens", r.start + q), ("rows", row), ("count", r.count),
+                                ("covered", len(blocks) * block_size)):
                 h[L[name][0] + b] = value
-        inline = verify.pack_updates(updates, h, L, self.max_updates)
+        table = self._launch(bucket, updates)
+        return [self._steps(table[r.hidden_offset // q]) for r in rows]
+
+    def can_run_chain(self, chunks: list[SequenceChunk], output: ForwardOutput) -> bool:
+        """Whether run_chain can verify and draft after `output`: a chain verify-graph launch of these chunks."""
+        return output.replayed is not None and output.replayed[0] is self.verify and self.verify.tree_mask is None \
+            and all(len(c.tokens) == self.q for c in chunks)
+
+    @torch.inference_mode()
+    def run_chain(self, chunks: list[SequenceChunk], drafts: list[list[int]], output: ForwardOutput
+                  ) -> list[tuple[int, list[int], list[list[int]]]]:
+        """Verify the greedy chain step that made `output` (chunk b: [x, drafts[b], padding]) and draft after it, in
+        one launch and one read-back: each chunk's (accepted drafts n, the n + 1 new tokens, K steps of top-k
+        candidates drafted after them). Every real row drafts; the caller keeps what it may use."""
+        q, block_size, verify = self.q, self.block_size, self.verify
+        bucket = output.replayed[1]
+        h, L = self.host_np, self.layout
+        self._fill_padding(0, bucket, 0)
+        updates: list[tuple[int, int, int]] = []
+        pos_at, slot_at, hid_at, drafts_at = L["positions"][0], L["slots"][0], L["hidden_rows"][0], L["drafts"][0]
+        for b, (chunk, d) in enumerate(zip(chunks, drafts)):
+            blocks, start, at = chunk.block_ids, chunk.start, b * q
+            row = verify.table_row(chunk.seq_id, blocks, chunk.generation, chunks, updates)
+            h[pos_at + at:pos_at + at + q] = range(start, start + q)
+            h[hid_at + at:hid_at + at + q] = range(at, at + q)
+            # every query row's slot (the verify chunk's blocks hold them); the graph keeps the first count
+            h[slot_at + at:slot_at + at + q] = [blocks[p // block_size] * block_size + p % block_size
+                                                for p in range(start, start + q)]
+            h[drafts_at + b * (q - 1):drafts_at + b * (q - 1) + len(d)] = d
+            for name, value in (("kv_lens", start + q), ("rows", row), ("count", -1),
+                                ("covered", len(blocks) * block_size), ("num_drafts", len(d))):
+                h[L[name][0] + b] = value
+        table = self._launch(bucket, updates)
+        out = []
+        for row in table[:len(chunks)]:
+            n = row[0]
+            out.append((n, row[1:n + 2], self._steps(row)))
+        return out
+
+    def _launch(self, bucket: int, updates: list[tuple[int, int, int]]) -> list[list[int]]:
+        """One copy in, one replay (eager on the CPU), the one read-back: the output table's rows."""
+        inline = self.verify.pack_updates(updates, self.host_np, self.layout, self.max_updates)
         self._fill_padding(bucket, bucket, inline)
         self.dev.copy_(self.host, non_blocking=True)
         if bucket in self.graphs:
             self.graphs[bucket].replay()
-            drafts = self.outputs[bucket]
+            table = self.outputs[bucket]
         else:   # not captured (CPU): the same body, eagerly
-            drafts = self._body(bucket)
-        table = drafts.tolist()   # the one read-back
-        return [table[r.hidden_offset // q] for r in rows]
+            table = self._body(bucket)
+        return table.tolist()
+
+    def _steps(self, row: list[int]) -> list[list[int]]:
+        """An output row's K draft steps of top-k tokens."""
+        at, topk = 1 + self.q, self.topk
+        return [row[at + j * topk:at + (j + 1) * topk] for j in range(self.depth)]
 
 
 def capture_drafter_graphs(drafter, kv: tuple[torch.Tensor, torch.Tensor], runner, depth: int, topk: int,

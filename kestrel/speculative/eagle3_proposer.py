@@ -19,7 +19,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardOutput, build_forward_batch
+from kestrel.forward.batch import ForwardOutput, SequenceChunk, build_forward_batch
 from kestrel.speculative.drafter_graphs import DrafterGraphs, top_candidates
 from kestrel.speculative.proposer import ComputedRows, DraftSource, Proposer
 
@@ -50,6 +50,18 @@ class Eagle3Proposer(Proposer):
 
     def forget(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
+
+    def verify_greedy_and_draft(self, chunks: list[SequenceChunk], drafts: list[list[int]], output: ForwardOutput
+                                ) -> list[tuple[int, list[int], list[list[int]]]] | None:
+        if self.graphs is None or not self.graphs.can_run_chain(chunks, output):
+            return None
+        return self.graphs.run_chain(chunks, drafts, output)
+
+    def keep_drafts(self, seq_id: int, num_tokens: int, steps: list[list[int]]) -> None:
+        if steps:
+            self.pending[seq_id] = (num_tokens, steps)
+        else:
+            self.pending.pop(seq_id, None)
 
     @torch.inference_mode()
     def observe(self, rows: list[ComputedRows], output: ForwardOutput) -> None:

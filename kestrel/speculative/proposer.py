@@ -10,7 +10,7 @@ from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from typing import Protocol
 
-from kestrel.forward.batch import ForwardOutput
+from kestrel.forward.batch import ForwardOutput, SequenceChunk
 
 
 class DraftSource(Protocol):
@@ -59,6 +59,18 @@ class Proposer(ABC):
 
     def observe(self, rows: list[ComputedRows], output: ForwardOutput) -> None:
         """A target step finished: `rows` say what it computed for the sequences this proposer follows."""
+
+    def verify_greedy_and_draft(self, chunks: list[SequenceChunk], drafts: list[list[int]], output: ForwardOutput
+                                ) -> list[tuple[int, list[int], list[list[int]]]] | None:
+        """A greedy chain verify step that just launched (chunk b: [last token, drafts[b], padding]): verify it and
+        draft the next step's tokens on the device, read back once, as each chunk's (accepted drafts n, the n + 1
+        new tokens, the drafting steps' top-k tokens after them); None when this proposer cannot (the caller then
+        verifies and calls observe)."""
+        return None
+
+    def keep_drafts(self, seq_id: int, num_tokens: int, steps: list[list[int]]) -> None:
+        """After verify_greedy_and_draft: the drafting steps the sequence (now of num_tokens tokens) may use; []
+        for none."""
 
     def forget(self, seq_id: int) -> None:
         """The sequence finished."""

@@ -1,7 +1,7 @@
 """FP8 weights on CUDA: the compiled Triton FP8 skinny matmuls (fp8_gemv.py; gemv.py with row scales) and the
 torch._scaled_mm path against their torch references at real layer shapes, a CUDA-graph replay of the kernel, the
 engine's greedy tokens with and without graphs, and the kernels' times next to bf16's (printed: the GPU figures of
-issue #34).
+issue #34; benchmarks/fp8_gemv_bench.py times them in CUDA graphs over rotating weights).
 
 Same contract as tests/test_fp8_gemv.py (the kernel in Triton's CPU interpreter). Written without a GPU at hand:
 the first GPU run is its first run."""
@@ -58,14 +58,42 @@ def test_skinny_kernels_with_fp8_row_scales_match_reference(layer, m):
     assert torch.allclose(got.float(), fp8_gemv_ref(x, w8, scale).float(), rtol=1.6e-2, atol=1e-2)
 
 
-def test_fp8_gemv_replays_in_a_cuda_graph():
-    from kestrel.kernels.triton.fp8_gemv import fp8_gemv
+SPLIT_CONFIGS = {  # fp8_gemv.py roads beside the table's (benchmarks/fp8_gemv_bench.py sweeps these)
+    "broadcast-split8": dict(block_n=16, block_k=512, split_k=8, unroll=True),
+    "broadcast-1024-pipelined": dict(block_n=16, block_k=1024, split_k=2, num_warps=8),
+    "broadcast-256-nosplit": dict(block_n=16, block_k=256, split_k=1),
+    "dot-split4": dict(block_n=16, block_k=512, split_k=4, use_dot=True, unroll=True),
+    "dot-32rows-pipelined": dict(block_n=32, block_k=256, split_k=2, use_dot=True, num_warps=8),
+}
 
-    x, w8, scale = operands(4096, 6144, 2, None)
-    eager = fp8_gemv(x, w8, scale)
+
+@pytest.mark.parametrize("m", [1, 16])
+@pytest.mark.parametrize("scales", list(BLOCKS))
+@pytest.mark.parametrize("road", list(SPLIT_CONFIGS))
+@pytest.mark.parametrize("layer", ["8b.qkv", "8b.down"])
+def test_fp8_gemv_configs_match_reference(layer, road, scales, m):
+    """Split-K on and off, both loop forms, broadcast and tensor cores, compiled, at the 8B's small-N shapes."""
+    from kestrel.kernels.triton.fp8_gemv import Fp8GemvConfig, fp8_gemv, fp8_gemv_ref
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, m, BLOCKS[scales], seed=m)
+    bias = torch.randn(n, device="cuda").to(torch.bfloat16)
+    got = fp8_gemv(x, w8, scale, BLOCKS[scales], bias, config=Fp8GemvConfig(**SPLIT_CONFIGS[road]))
+    want = fp8_gemv_ref(x, w8, scale, BLOCKS[scales], bias)
+    assert torch.allclose(got.float(), want.float(), rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.parametrize("scales", list(BLOCKS))
+def test_fp8_gemv_replays_in_a_cuda_graph(scales):
+    """The default config at qkv's shape splits K: two kernels (PDL-linked on Hopper) and a workspace, captured."""
+    from kestrel.kernels.triton.fp8_gemv import default_config, fp8_gemv, split_plan
+
+    x, w8, scale = operands(4096, 6144, 2, BLOCKS[scales])
+    assert split_plan(4096, default_config(2, 6144, 4096))[1] > 1
+    eager = fp8_gemv(x, w8, scale, BLOCKS[scales])
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        out = fp8_gemv(x, w8, scale)
+        out = fp8_gemv(x, w8, scale, BLOCKS[scales])
     x.copy_(x * 0.5)
     graph.replay()
     torch.cuda.synchronize()
@@ -104,11 +132,14 @@ def test_fp8_gemv_time_next_to_bf16(capsys):
         k, n = LAYERS[layer]
         x, w8, scale = operands(k, n, 1, None)
         w16 = (w8.float() * scale).to(torch.bfloat16)
+        _, w8b, block_scale = operands(k, n, 1, (128, 128))
         fp8_us = _time_us(lambda: fp8_gemv(x, w8, scale))
+        fp8_block_us = _time_us(lambda: fp8_gemv(x, w8b, block_scale, (128, 128)))
         fp8_skinny_us = _time_us(lambda: gemv.gemv(x, w8, w_scale=scale))
         bf16_us = _time_us(lambda: gemv.gemv(x, w16))
         cublas_us = _time_us(lambda: torch.nn.functional.linear(x, w16))
-        rows.append(f"{layer} bs1: fp8 fp8_gemv.py {fp8_us:.1f} us, fp8 gemv.py {fp8_skinny_us:.1f} us "
+        rows.append(f"{layer} bs1: fp8 fp8_gemv.py row {fp8_us:.1f} us, block128 {fp8_block_us:.1f} us "
+                    f"({n * k / fp8_block_us / 1e3:.0f} GB/s), fp8 gemv.py {fp8_skinny_us:.1f} us "
                     f"({n * k / fp8_skinny_us / 1e3:.0f} GB/s), bf16 gemv.py {bf16_us:.1f} us, "
                     f"bf16 cuBLAS {cublas_us:.1f} us")
     with capsys.disabled():

@@ -150,6 +150,33 @@ def test_softmax_topk_kernel_matches_reference_and_replays_in_a_graph(tokens):
     assert torch.equal(captured.topk_ids, softmax_topk(logits, 8, True).topk_ids)
 
 
+
+@pytest.mark.parametrize("tokens", [1, 8, 16, 64])
+def test_router_gemv_kernel_matches_float32_router_and_replays_in_a_graph(tokens):
+    """The router GEMV folded into the Triton routing (moe_routing.router_softmax_topk_triton) at Qwen3-30B-A3B's
+    128 x 2048 float32 router, bf16 hidden states: Router's float32 logits to float32 rounding, the reference
+    routing's experts in order; captured and replayed on new hidden states (64 tokens: the cuBLAS road)."""
+    from kestrel.kernels.triton.moe_routing import router_logits_triton, router_softmax_topk_triton
+    from kestrel.layers.moe import softmax_topk
+
+    g = torch.Generator(device="cuda").manual_seed(tokens)
+    x = torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16)
+    weight = 0.02 * torch.randn(128, 2048, device="cuda", generator=g)
+    ref_logits = torch.nn.functional.linear(x.float(), weight)
+    torch.testing.assert_close(router_logits_triton(x, weight), ref_logits, rtol=1e-5, atol=1e-5)
+    ours, ref = router_softmax_topk_triton(x, weight, 8, True), softmax_topk(ref_logits, 8, True)
+    assert torch.equal(ours.topk_ids, ref.topk_ids)
+    torch.testing.assert_close(ours.topk_weights, ref.topk_weights, rtol=1e-5, atol=1e-6)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = router_softmax_topk_triton(x, weight, 8, True)
+    x.copy_(torch.randn(tokens, 2048, device="cuda", generator=g).to(torch.bfloat16))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(captured.topk_ids,
+                       softmax_topk(torch.nn.functional.linear(x.float(), weight), 8, True).topk_ids)
+
 def _time_us(fn, iters: int = 100) -> float:
     return time_us(fn, iters, warmup=5)
 
@@ -186,6 +213,9 @@ def test_fused_moe_layer_times_printed(capsys):
     for name, route in (("torch", softmax_topk), ("triton", softmax_topk_triton)):
         us = _time_us(lambda: route(torch.nn.functional.linear(x.float(), router), topk, True))
         rows.append(f"routing, T=1, router GEMV + softmax top-k ({name}), eager launches: {us:.1f} us")
+    from kestrel.kernels.triton.moe_routing import router_softmax_topk_triton
+    us = _time_us(lambda: router_softmax_topk_triton(x, router, topk, True))
+    rows.append(f"routing, T=1, router GEMV kernel + softmax top-k (triton, 2 launches), eager: {us:.1f} us")
     with capsys.disabled():
         print("\n" + "\n".join(rows))
     assert len(rows) > 3
@@ -356,3 +386,44 @@ def test_dummy_load_format_runs_a_moe_shape_on_cuda(tmp_path, monkeypatch):
         llm.shutdown()
         switches.cache_clear()
 
+
+
+ROW_SWEEP = [  # RowTiles(up_n, up_k, up_warps, down_n, down_k, down_warps); the first is row_tiles' bs1 choice
+    (4, 2048, 8, 4, 256, 8),
+    (4, 1024, 4, 4, 256, 4),
+    (8, 1024, 8, 8, 256, 8),
+    (2, 2048, 4, 2, 256, 4),
+    (16, 256, 4, 8, 128, 4),
+    (4, 2048, 8, 8, 128, 8),
+]
+
+
+def test_rows_path_bs1_tiles_sweep_in_a_cuda_graph_printed(capsys):
+    """Not a pass/fail figure (each config is checked against the reference, though): the rows path at
+    Qwen3-30B-A3B's bs1 (one token, top-8 of 128) replayed in a CUDA graph of 16 calls whose routings are
+    disjoint (16 x 8 = all 128 experts), so each call reads its experts' 25 + 12.6 MB from HBM, not from the
+    50 MB L2 a repeated routing would sit in. Prints us a call and the GB/s of its 8 experts' weights, per config,
+    next to the device copy's rate (read + written)."""
+    from kestrel.kernels.triton.fused_moe import RowTiles, fused_experts_triton, row_tiles
+
+    experts, topk, hidden, inter = LAYERS["qwen3-30b-a3b"]
+    x, w13, w2, _, _ = problem(1, experts, topk, hidden, inter, seed=11)
+    perm = torch.randperm(experts, device="cuda", generator=torch.Generator(device="cuda").manual_seed(3))
+    routings = [(perm[i * topk:(i + 1) * topk].view(1, topk).contiguous(),
+                 torch.softmax(torch.randn(1, topk, device="cuda"), dim=-1)) for i in range(experts // topk)]
+    expert_bytes = topk * 3 * hidden * inter * 2
+    rows = [f"device copy: {_copy_gb_s():,.0f} GB/s (read + written); default {row_tiles(topk, hidden, inter)}"]
+    for cfg in ROW_SWEEP:
+        tiles = RowTiles(*cfg)
+        for ids, weights in routings[:2]:
+            assert_close_bf16(fused_experts_triton(x, w13, w2, ids, weights, path="rows", row_config=tiles),
+                              fused_experts_torch(x, w13, w2, ids, weights))
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for ids, weights in routings:
+                fused_experts_triton(x, w13, w2, ids, weights, path="rows", row_config=tiles)
+        us = _time_us(graph.replay, 20) / len(routings)
+        rows.append(f"{tiles}: {us:6.1f} us a layer, {expert_bytes / us / 1e3:6,.0f} GB/s")
+    with capsys.disabled():
+        print("\n" + "\n".join(rows))

@@ -110,20 +110,28 @@ class GemvConfig:
     unroll: bool = True     # K loop as tl.static_range: straight-line code whose loads can all be issued early
 
 
-def default_config(m: int, n: int, k: int) -> GemvConfig:
-    """The fixed table (table_config), whole slices on the broadcast path; small tiles under Triton's interpreter."""
+def default_config(m: int, n: int, k: int, element_size: int = 2) -> GemvConfig:
+    """The fixed table (table_config), whole slices on the broadcast path; small tiles under Triton's interpreter.
+    element_size: the weight's bytes an element (1: FP8 with w_scale)."""
     if _interpreted():   # small tiles so the tests' small shapes span several tiles in N and K
         return GemvConfig(block_n=16, block_k=64, use_dot=m > BROADCAST_MAX_M)
-    return table_config(m, n, k, whole_slice=m <= BROADCAST_MAX_M)
+    return table_config(m, n, k, whole_slice=m <= BROADCAST_MAX_M, element_size=element_size)
 
 
-def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfig:
+def table_config(m: int, n: int, k: int, whole_slice: bool = False, element_size: int = 2) -> GemvConfig:
     """BLOCK_N as large as keeps >= TARGET_PROGRAMS programs, BLOCK_K for ~TILE_ELEMENTS a step.
 
     Examples (bf16, H200): N=1024 K=3072 M=1 -> BLOCK_N 4 x BLOCK_K 1024 (256 programs, 3 unrolled steps);
     N=4096 K=14336 -> 16 x 512 (256 programs, 28 pipelined steps); N=28672 K=4096 -> 32 x 256 (896 programs).
     whole_slice: one step of BLOCK_K = next_power_of_2(K) (masked tail) where BLOCK_N x that is at most
     WHOLE_SLICE_ELEMENTS, with 8 warps above TILE_ELEMENTS to keep the tile in registers.
+
+    FP8 weights (element_size 1) on the broadcast path: the K step holds the bf16 step's bytes, twice its
+    elements (a 1-byte weight moves half the bytes per element, so the same elements would halve the bytes in
+    flight), on 8 warps so each thread still converts ~64 weights to float32: N=4096 K=14336 M=1 -> 16 x 1024
+    (14 unrolled steps), N=6144 K=4096 -> 16 x 1024 (4 steps). The tensor-core path (M > 4) and whole slices
+    keep the bf16 elements: registers (the padded x operand, the whole tile) bound them, not bytes. bf16
+    (element_size 2) is the table above, unchanged.
     """
     use_dot = m > BROADCAST_MAX_M
     # Every program reads all M x rows from L2 per weight tile: M / BLOCK_N x the weight bytes. So the tensor-core
@@ -135,10 +143,14 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False) -> GemvConfi
     if whole_slice and block_n * whole <= WHOLE_SLICE_ELEMENTS:
         return GemvConfig(block_n=block_n, block_k=whole, use_dot=use_dot,
                           num_warps=8 if block_n * whole > TILE_ELEMENTS else 4)
-    block_k = _even_block_k(k, max(TILE_ELEMENTS // block_n, 128))
+    # FP8 on the broadcast path: TILE_ELEMENTS bf16 elements' bytes a step. The tensor-core path keeps the bf16
+    # step: its x operand [16, BLOCK_K] (the model dtype) is what fills the registers there (2x spilled on sm_90)
+    tile_elements = TILE_ELEMENTS if use_dot else TILE_ELEMENTS * 2 // element_size
+    block_k = _even_block_k(k, max(tile_elements // block_n, 128))
     steps = triton.cdiv(k, block_k)
     unroll = steps <= MAX_UNROLL
-    return GemvConfig(block_n=block_n, block_k=block_k, use_dot=use_dot, num_warps=4,
+    return GemvConfig(block_n=block_n, block_k=block_k, use_dot=use_dot,
+                      num_warps=4 if block_n * block_k <= TILE_ELEMENTS else 8,
                       num_stages=1 if unroll else 3, unroll=unroll)
 
 
@@ -448,7 +460,7 @@ def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_
             w_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     _check_operands(x, w, bias, k, w_scale)
     m, n = x.shape[0], w.shape[0]
-    cfg = config or default_config(m, n, k)
+    cfg = config or default_config(m, n, k, w.element_size())
     fold = _fold(cfg)
     assert cfg.block_k // fold >= 16, f"{cfg}: tl.dot needs BLOCK_K / FOLD >= 16"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)

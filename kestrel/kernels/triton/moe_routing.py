@@ -5,10 +5,24 @@ One program a token: its E float32 logits in registers, softmax, then k rounds o
 (the first index on ties), the k weights renormalised if asked. Same contract and the same order as the reference
 (k largest, descending); exp is Triton's, so weights agree to float32 rounding and a choice between two experts
 whose probabilities tie to the last bit may differ, as between any two softmax implementations.
+
+The router GEMV before it (layers/moe.py's Router: F.linear(x.float(), W) with W [E, H] float32) is three launches
+at decode through torch (the bf16 -> float32 copy of x, cuBLAS's float32 dot_kernel and its reduce_1Block_kernel:
+~7 us a layer in the s22 H100 profile). `router_softmax_topk_triton` makes it one (`_router_logits_kernel`), for
+decode-sized batches:
+
+    grid (T, E / BLOCK_E): program (t, j) reads x[t] (bf16, widened in registers: exact) and W rows
+    [j BLOCK_E, (j+1) BLOCK_E) (float32) along H, products in [BLOCK_E, BLOCK_H] float32 registers, one lane sum
+    -> logits[t, j BLOCK_E:(j+1) BLOCK_E] (float32), then _softmax_topk_kernel as above
+
+Every token re-reads W (1 MB at Qwen3-30B-A3B's 128 x 2048), from L2 after the first: fine for a handful of
+tokens, not for prefill, so past ROUTER_GEMV_MAX_TOKENS tokens the logits come from F.linear (cuBLAS). The sums
+are float32 in a different order than cuBLAS's: logits agree to float32 rounding (the same caveat as exp's).
 """
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 import triton
 import triton.language as tl
 
@@ -54,3 +68,62 @@ def softmax_topk_triton(logits: torch.Tensor, k: int, renormalize: bool) -> Rout
                                         BLOCK_E=triton.next_power_of_2(experts),
                                         BLOCK_K=max(2, triton.next_power_of_2(k)), RENORM=renormalize)
     return Routing(ids, weights)
+
+
+ROUTER_GEMV_MAX_TOKENS = 16   # tokens up to which the router GEMV is _router_logits_kernel (decode), else cuBLAS
+
+
+@triton.jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_w, stride_o, H: tl.constexpr, E: tl.constexpr,
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
+    """logits[t, experts] = x[t] @ W[experts].T in float32 (module docstring)."""
+    token = tl.program_id(0).to(tl.int64)
+    experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
+    e_ok = experts < E
+    w_rows = w_ptr + experts[:, None].to(tl.int64) * stride_w
+    acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
+    for h0 in tl.static_range(0, H, BLOCK_H):
+        hs = h0 + tl.arange(0, BLOCK_H)
+        h_ok = hs < H
+        w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        a = tl.load(x_ptr + token * stride_x + hs, mask=h_ok, other=0.0).to(tl.float32)
+        acc += w * a[None, :]
+    tl.store(out_ptr + token * stride_o + experts, tl.sum(acc, axis=1), mask=e_ok)
+
+
+def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Router(x)'s logits, F.linear(x.float(), weight): x [T, H] (any float dtype), weight [E, H] float32 ->
+    [T, E] float32, one launch."""
+    tokens, hidden = x.shape
+    experts = weight.shape[0]
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    weight = weight.contiguous()
+    logits = torch.empty(tokens, experts, dtype=torch.float32, device=x.device)
+    if tokens:
+        # compiled: 2 experts a program (Qwen3-30B-A3B: 64 programs of 16 KB, the whole of H in one step);
+        # interpreted: small, so the tests' shapes span several blocks and steps
+        block_e, block_h = (4, 32) if _interpreted() else (2, min(triton.next_power_of_2(hidden), 2048))
+        _router_logits_kernel[(tokens, triton.cdiv(experts, block_e))](
+            x, weight, logits, x.stride(0), weight.stride(0), logits.stride(0), H=hidden, E=experts,
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
+    return logits
+
+
+def router_softmax_topk_triton(x: torch.Tensor, weight: torch.Tensor, k: int, renormalize: bool) -> Routing:
+    """softmax_topk(F.linear(x.float(), weight), k, renormalize) from the hidden states: two launches at decode
+    (router GEMV, softmax top-k), cuBLAS's GEMV past ROUTER_GEMV_MAX_TOKENS tokens."""
+    if x.shape[0] <= ROUTER_GEMV_MAX_TOKENS:
+        logits = router_logits_triton(x, weight)
+    else:
+        logits = F.linear(x.float(), weight)
+    return softmax_topk_triton(logits, k, renormalize)
+
+
+# the seam for models whose routing is LayerOps.softmax_topk (models/llama_moe.py): where that is this module's
+# kernel, routing can start from the hidden states and fold the router GEMV in too
+softmax_topk_triton.from_hidden = router_softmax_topk_triton   # type: ignore[attr-defined]
+
+
+def _interpreted() -> bool:
+    return bool(triton.knobs.runtime.interpret)
