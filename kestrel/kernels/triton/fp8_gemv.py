@@ -93,6 +93,8 @@ TARGET_PROGRAMS = 1024       # one wave at 8 resident programs of 4 warps (<= 64
 MIN_SPLIT_STEPS = 2          # a split shorter than this is mostly prologue and epilogue
 MAX_SPLIT_K = 16
 MAX_UNROLL = 8               # steps a split unrolls; longer splits are software-pipelined
+# Predicted (H100, bs1, bytes / 2.5 TB/s + ~1.5 us for the split sum; not yet measured): qkv 11.6 us (was 30.3),
+# o 8.2, gate_up 46 (was 45.7), down 25 (was 72.0). benchmarks/fp8_gemv_bench.py checks it.
 
 
 def default_config(m: int, n: int, k: int) -> Fp8GemvConfig:

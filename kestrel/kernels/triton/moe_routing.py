@@ -26,6 +26,7 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
+from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 from kestrel.layers.moe import Routing
 
 
@@ -75,17 +76,24 @@ ROUTER_GEMV_MAX_TOKENS = 16   # tokens up to which the router GEMV is _router_lo
 
 @triton.jit
 def _router_logits_kernel(x_ptr, w_ptr, out_ptr, stride_x, stride_w, stride_o, H: tl.constexpr, E: tl.constexpr,
-                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr):
-    """logits[t, experts] = x[t] @ W[experts].T in float32 (module docstring)."""
+                          BLOCK_E: tl.constexpr, BLOCK_H: tl.constexpr, USE_PDL: tl.constexpr):
+    """logits[t, experts] = x[t] @ W[experts].T in float32 (module docstring). Under PDL the first weight step
+    (at Qwen3-30B-A3B's H the program's whole slice) is read before the wait, while the norm before it finishes."""
     token = tl.program_id(0).to(tl.int64)
     experts = tl.program_id(1) * BLOCK_E + tl.arange(0, BLOCK_E)
     e_ok = experts < E
     w_rows = w_ptr + experts[:, None].to(tl.int64) * stride_w
+    first = tl.load(w_rows + tl.arange(0, BLOCK_H)[None, :],
+                    mask=e_ok[:, None] & (tl.arange(0, BLOCK_H) < H)[None, :], other=0.0)
+    pdl_wait(USE_PDL)
     acc = tl.zeros([BLOCK_E, BLOCK_H], dtype=tl.float32)
     for h0 in tl.static_range(0, H, BLOCK_H):
         hs = h0 + tl.arange(0, BLOCK_H)
         h_ok = hs < H
-        w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
+        if h0 == 0:
+            w = first.to(tl.float32)
+        else:
+            w = tl.load(w_rows + hs[None, :], mask=e_ok[:, None] & h_ok[None, :], other=0.0).to(tl.float32)
         a = tl.load(x_ptr + token * stride_x + hs, mask=h_ok, other=0.0).to(tl.float32)
         acc += w * a[None, :]
     tl.store(out_ptr + token * stride_o + experts, tl.sum(acc, axis=1), mask=e_ok)
@@ -106,7 +114,7 @@ def router_logits_triton(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         block_e, block_h = (4, 32) if _interpreted() else (2, min(triton.next_power_of_2(hidden), 2048))
         _router_logits_kernel[(tokens, triton.cdiv(experts, block_e))](
             x, weight, logits, x.stride(0), weight.stride(0), logits.stride(0), H=hidden, E=experts,
-            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4)
+            BLOCK_E=block_e, BLOCK_H=block_h, num_warps=4, **launch_options(x.device))
     return logits
 
 
