@@ -163,6 +163,7 @@ class SpeculativeDecoding:
         self._lap("propose", started)
         output = eng.runner.execute(chunks)
         if self._fusable(seqs):
+            self._lap("verify")   # timed: the verify forward; the fused verification counts as drafting
             fused = self.proposer.verify_greedy_and_draft(chunks, drafts, output)
             if fused is not None:
                 return self._finish_fused(seqs, drafts, fused)
@@ -232,7 +233,7 @@ class SpeculativeDecoding:
                       fused: list[tuple[int, list[int], list[list[int]]]]) -> list[SampleUpdate]:
         """The bookkeeping of a step the proposer verified and drafted after (verify_greedy_and_draft)."""
         eng = self.engine
-        self._lap("verify")
+        self._lap("draft")   # verified on the device and drafted in one launch, read back once
         updates = []
         now = time.monotonic()
         for seq, d, (accepted, new, steps) in zip(seqs, drafts, fused):
@@ -248,7 +249,6 @@ class SpeculativeDecoding:
             if reason is not None:
                 eng._forget_if_done(seq.request_id)
         self._lap("bookkeeping")
-        self._lap("draft")   # drafting ran inside the verify launch: nothing left
         if any(drafts):
             self._this_step = (len(seqs), max(len(d) for d in drafts))
         return updates
