@@ -21,7 +21,7 @@ How a call runs:
     CUDA, M <= 16, row   `skinny`: kernels/triton/gemv.py's kernels read the FP8 bytes (half of bf16's), the scales
                          in their epilogue, with the add + RMSNorm before qkv / gate_up and the SiLU-mul before
                          down folded in as for bf16 (apply_norm, apply_silu)
-    CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py, one tile scale per K step; the folds run unfused
+    CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py (split-K over scale-tile segments); folds unfused
     CUDA, M > 16, row    `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
     CUDA, M > 16, block  dequantize per call (a block-scaled GEMM is future work)
 """
