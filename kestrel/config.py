@@ -57,6 +57,7 @@ class EngineConfig:
     node_rank: int = 0                     # this node; node 0 runs rank 0 and serves HTTP
     dist_init_addr: str | None = None      # HOST:PORT of rank 0's rendezvous; default: a free loopback port
     dist_timeout: float = 300.0            # seconds for every rank to join, and for one step before a hang is declared
+    disable_custom_all_reduce: bool = False   # CUDA: NCCL for every all-reduce (no symmetric-memory road)
 
     def __post_init__(self) -> None:
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -240,6 +241,9 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     par.add_argument("--dist-timeout", type=float, default=300.0, metavar="SECONDS",
                      help="how long every rank may take to join, and one step may take, before the engine stops "
                      "with an error naming the rank")
+    par.add_argument("--disable-custom-all-reduce", action="store_true",
+                     help="CUDA: send every all-reduce through NCCL (by default small ones, decode's, go through "
+                     "symmetric memory: one kernel reading the peers' buffers)")
     spec = parser.add_argument_group("speculative decoding", "vLLM's --speculative-config or SGLang's "
                                      "--speculative-* flags, not both")
     spec.add_argument("--speculative-config", default=None, metavar="JSON",

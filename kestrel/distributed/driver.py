@@ -56,7 +56,8 @@ class Ranks:
         self.watch = RankWatch(self.procs, on_failure or (lambda message: None), self.store,
                                lambda: self.busy_since, config.dist_timeout)
         try:
-            self.tp = join_group(rdv, 0, self.store, _device_type(config))
+            self.tp = join_group(rdv, 0, self.store, _device_type(config),
+                                 custom_all_reduce=not config.disable_custom_all_reduce)
         except KestrelError:
             self.close()
             if self.watch.failure is not None:

@@ -20,6 +20,7 @@ import torch.distributed as dist
 
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import TPGroup
+from kestrel.distributed.custom_all_reduce import SymmMemAllReduce
 from kestrel.envs import disable_nccl_nvls
 from kestrel.errors import KestrelError
 
@@ -64,9 +65,11 @@ def open_store(rdv: Rendezvous, is_master: bool) -> dist.TCPStore:
                            "--dist-init-addr") from None
 
 
-def join_group(rdv: Rendezvous, rank: int, store: dist.TCPStore, device_type: str) -> TPGroup:
+def join_group(rdv: Rendezvous, rank: int, store: dist.TCPStore, device_type: str,
+               custom_all_reduce: bool = True) -> TPGroup:
     """Join the device group (NCCL on CUDA, gloo on the CPU) and a gloo CPU group beside it; returns when every
-    rank has joined, or raises after the rendezvous timeout."""
+    rank has joined, or raises after the rendezvous timeout. On CUDA, custom_all_reduce opens the symmetric-memory
+    all-reduce for small messages (every rank must pass the same value: it is a collective)."""
     backend = "nccl" if device_type == "cuda" else "gloo"
     local_rank = rank % rdv.ranks_per_node
     if backend == "nccl":
@@ -82,7 +85,10 @@ def join_group(rdv: Rendezvous, rank: int, store: dist.TCPStore, device_type: st
                            f"{rdv.host}:{rdv.port} within {rdv.timeout_s:g} s ({exc}); is `kestrel serve "
                            "--node-rank N` running on every node?") from None
     logger.info("rank %d of %d joined (%s, local rank %d)", rank, rdv.world_size, backend, local_rank)
-    return TPGroup(rank, rdv.world_size, dist.group.WORLD, cpu_group, local_rank)
+    fast = None
+    if backend == "nccl" and custom_all_reduce:
+        fast = SymmMemAllReduce.open(dist.group.WORLD, rdv.world_size, torch.device("cuda", local_rank))
+    return TPGroup(rank, rdv.world_size, dist.group.WORLD, cpu_group, local_rank, fast)
 
 
 def leave_group() -> None:

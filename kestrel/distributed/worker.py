@@ -64,7 +64,8 @@ def main() -> None:
         torch.set_num_threads(max(1, len(os.sched_getaffinity(0)) // spec.rendezvous.ranks_per_node))
     try:
         store = open_store(spec.rendezvous, is_master=False)
-        tp = join_group(spec.rendezvous, spec.rank, store, device_type)
+        tp = join_group(spec.rendezvous, spec.rank, store, device_type,
+                        custom_all_reduce=not spec.config.disable_custom_all_reduce)
         setup = build_runner(spec.config, Progress(), tp)   # Progress: the phases in this rank's log
     except Exception:   # noqa: BLE001 - said here, in this rank's log; rank 0's watch names the exit
         logger.exception("rank %d failed to start", spec.rank)

@@ -37,3 +37,27 @@ def test_tp2_sampled_rows_of_the_overlap_schedule_equal_the_synchronous_schedule
     path = str(checkpoint_factory("llama"))
     params = [SamplingParams(max_tokens=24, temperature=0.8, seed=i, ignore_eos=True) for i in range(len(PROMPTS))]
     assert generate(path, 2, params) == generate(path, 2, params, disable_overlap_schedule=True)
+
+
+def test_tp2_custom_all_reduce_opens_and_gives_nccls_tokens(checkpoint_factory):
+    """Small all-reduces go through symmetric memory (one-shot, in the graphs); with two ranks a + b is exact in
+    either order, so the tokens equal NCCL's."""
+    path = str(checkpoint_factory("llama"))
+    greedy = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", tensor_parallel_size=2, cuda_graph_max_bs=8,
+              max_num_seqs=8, gpu_memory_utilization=0.3)
+    try:
+        assert llm.engine.runner.tp.fast_all_reduce is not None, "symmetric-memory all-reduce did not open"
+        fast = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    finally:
+        llm.shutdown()
+        torch.cuda.empty_cache()
+    llm = LLM(model=path, device="cuda", dtype="bfloat16", tensor_parallel_size=2, cuda_graph_max_bs=8,
+              max_num_seqs=8, gpu_memory_utilization=0.3, disable_custom_all_reduce=True)
+    try:
+        assert llm.engine.runner.tp.fast_all_reduce is None
+        nccl = [o.outputs[0].token_ids for o in llm.generate(PROMPTS, greedy)]
+    finally:
+        llm.shutdown()
+        torch.cuda.empty_cache()
+    assert fast == nccl
