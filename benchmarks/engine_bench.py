@@ -112,6 +112,11 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
         results["quantization"] = args.quantization
     results["startup_s"] = time.perf_counter() - t0
     results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
+    files = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else 0
+    load_s = progress.phase_durations.get("loading_weights")
+    if files and load_s:   # checkpoint bytes read / the weights phase (page cache warm: the file was just written)
+        results["checkpoint_bytes"] = files
+        results["load_gb_s"] = files / load_s / 1e9
     runner = engine.runner
     results["attention_backend"] = runner.backend.name
     results["weight_bytes"] = weight_bytes(runner.model)
@@ -255,6 +260,9 @@ def main() -> int:
                     "child process per model, so no model's memory is left over for the next)")
     ap.add_argument("--quantization", default=None, choices=["fp8", "fp8-per-tensor"],
                     help="Kestrel's linear layers in FP8, quantized at load (the FP8 row; the HF peer stays bf16)")
+    ap.add_argument("--fp8-checkpoint", default=None, choices=sorted(FP8_CHECKPOINTS),
+                    help="bench an FP8 checkpoint written from each random one: block (HF fp8, 128x128 tiles) or "
+                    "channel (compressed-tensors, per output channel); the HF peer stays bf16")
     args = ap.parse_args()
     if not args.in_process:
         return bench_each_model_in_a_child(args)
@@ -279,6 +287,8 @@ def main() -> int:
                 model_dir = write_random_checkpoint(name, workdir / name)
                 res["checkpoint_write_s"] = time.perf_counter() - t
                 vocab = SHAPES[name]["vocab_size"]
+                if args.fp8_checkpoint:
+                    model_dir = fp8_checkpoint(model_dir, args.fp8_checkpoint, res)
             if args.only != "hf":
                 bench_kestrel(model_dir, vocab, args, res)
                 res["roofline_bs1_tok_s"] = bw / res["decode_weight_bytes"]   # the bytes one step reads
@@ -291,6 +301,24 @@ def main() -> int:
     Path(args.out).write_text(json.dumps(report, indent=1))
     print(json.dumps(report, indent=1))
     return 0
+
+
+FP8_CHECKPOINTS = {"block": ("hf", "block"), "channel": ("compressed-tensors", "channel")}
+
+
+def fp8_checkpoint(src: Path, kind: str, res: dict) -> Path:
+    """The random checkpoint at src written as an FP8 one (`kestrel quantize`'s writer), once per workdir: block =
+    HF fp8 with 128x128 scale tiles (DeepSeek-V3 / Qwen3-FP8), channel = compressed-tensors per output channel
+    (llm-compressor's FP8_DYNAMIC)."""
+    from kestrel.models.fp8_writer import write_fp8_checkpoint
+    dst = src.with_name(f"{src.name}-fp8-{kind}")
+    if not (dst / "config.json").is_file():
+        t = time.perf_counter()
+        fmt, strategy = FP8_CHECKPOINTS[kind]
+        write_fp8_checkpoint(src, dst, fmt, strategy)
+        res["fp8_checkpoint_write_s"] = time.perf_counter() - t
+    res["fp8_checkpoint"] = kind
+    return dst
 
 
 def bench_each_model_in_a_child(args) -> int:
@@ -307,7 +335,8 @@ def bench_each_model_in_a_child(args) -> int:
                    "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
                    "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
                    "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else []) \
-                + (["--quantization", args.quantization] if args.quantization else [])
+                + (["--quantization", args.quantization] if args.quantization else []) \
+                + (["--fp8-checkpoint", args.fp8_checkpoint] if args.fp8_checkpoint else [])
             subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
             try:
                 part = json.loads(out.read_text())
