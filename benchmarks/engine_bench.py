@@ -315,7 +315,7 @@ def fp8_checkpoint(src: Path, kind: str, res: dict) -> Path:
     if not (dst / "config.json").is_file():
         t = time.perf_counter()
         fmt, strategy = FP8_CHECKPOINTS[kind]
-        write_fp8_checkpoint(src, dst, fmt, strategy)
+        write_fp8_checkpoint(src, dst, fmt, strategy, device="cuda")
         res["fp8_checkpoint_write_s"] = time.perf_counter() - t
     res["fp8_checkpoint"] = kind
     return dst

@@ -20,12 +20,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="the tile of block scales")
     p.add_argument("--ignore", nargs="*", default=[], metavar="MODULE",
                    help="checkpoint modules left float, e.g. model.layers.0.mlp.down_proj")
+    p.add_argument("--device", default=None,
+                   help="where the scales are computed (default: cuda when there is a GPU, else cpu)")
 
 
 def run(args: argparse.Namespace) -> int:
+    import torch
+
     from kestrel.models.fp8_writer import write_fp8_checkpoint
 
+    device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     out = write_fp8_checkpoint(Path(args.source), Path(args.out_dir), args.fmt, args.strategy, tuple(args.block),
-                               tuple(args.ignore))
+                               tuple(args.ignore), device)
     print(out)
     return 0

@@ -22,7 +22,7 @@ pyt() { run "tests_$1" 30 $2 python3 -m pytest -q -p no:cacheprovider -rfE --tb=
 
 pyt fp8 100
 bench bf16
-bench fp8_block --fp8-checkpoint block
+BENCH_MAX=140 bench fp8_block --fp8-checkpoint block
 run fp8_gemv 20 50 python3 -m benchmarks.fp8_gemv_bench --no-sweep --out $O/fp8_gemv.json
 run moe 60 110 python3 -m benchmarks.moe_bench --shape qwen3-30b-a3b --out $O/moe_qwen3.json
 pyt moe 80

@@ -68,10 +68,12 @@ def _quantize(fmt: str, strategy: str, block: tuple[int, int], w: torch.Tensor
 
 
 def write_fp8_checkpoint(src: Path, dst: Path, fmt: str = "hf", strategy: str | None = None,
-                         block: tuple[int, int] = (128, 128), ignore: tuple[str, ...] = ()) -> Path:
+                         block: tuple[int, int] = (128, 128), ignore: tuple[str, ...] = (),
+                         device: str = "cpu") -> Path:
     """`src` (a float HF directory) quantized into `dst` (new or empty); returns dst. `strategy` defaults to block
     for hf, channel for compressed-tensors; `ignore`: checkpoint module names (model.layers.0.mlp.down_proj)
-    left float."""
+    left float; `device`: where the scales are computed (an 8B checkpoint: ~1 min on a few CPU cores, seconds on
+    a GPU)."""
     src, dst = Path(src), Path(dst)
     if fmt not in FORMATS:
         raise KestrelError(f"FP8 format {fmt!r} is not one Kestrel writes: expected {', '.join(FORMATS)}")
@@ -92,9 +94,9 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str = "hf", strategy: str | 
             for name in f.keys():
                 tensor = f.get_tensor(name)
                 if _quantized(name, tensor, ignore):
-                    w8, scale_name, scale = _quantize(fmt, strategy, block, tensor)
-                    out[name] = w8.contiguous()
-                    out[f"{name.removesuffix('weight')}{scale_name}"] = scale.float().contiguous()
+                    w8, scale_name, scale = _quantize(fmt, strategy, block, tensor.to(device))
+                    out[name] = w8.contiguous().cpu()
+                    out[f"{name.removesuffix('weight')}{scale_name}"] = scale.float().contiguous().cpu()
                 else:
                     out[name] = tensor.contiguous()
         save_file(out, str(dst / path.name), metadata={"format": "pt"})
