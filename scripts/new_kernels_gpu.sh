@@ -16,7 +16,7 @@ run() { local name=$1 min=$2 max=$3; shift 3; local left=$(( END - (SECONDS - T0
   if [ $t -lt $min ]; then echo "skipped: $left s left" | tee -a $O/steps.txt; return; fi
   timeout $t "$@" > $O/$name.log 2>&1; echo "rc=$?" >> $O/$name.log; tail -3 $O/$name.log | tee -a $O/steps.txt; }
 bench() { local name=$1; shift
-  run "$name" 60 110 python3 -m benchmarks.engine_bench --in-process --only kestrel --workdir $W --models llama-3.1-8b --graphs-only \
+  run "$name" 60 ${BENCH_MAX:-110} python3 -m benchmarks.engine_bench --in-process --only kestrel --workdir $W --models llama-3.1-8b --graphs-only \
     --prefix-bench none --out $O/$name.json "$@"; }
 pyt() { run "tests_$1" 30 $2 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/gpu/test_$1_gpu.py; }
 
