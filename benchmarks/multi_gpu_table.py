@@ -34,10 +34,20 @@ def fmt(x, digits: int = 1) -> str:
     return "—" if x is None else f"{x:,.{digits}f}"
 
 
-def engine_row(report: dict | None, model: str) -> dict:
+def last_line(path: Path) -> str | None:
+    """A step's log's last line but the suite's rc=N: a traceback's error, or why the step was skipped."""
+    try:
+        lines = [ln for ln in path.read_text(errors="replace").splitlines() if ln.strip() and not ln.startswith("rc=")]
+    except OSError:
+        return None
+    return lines[-1].strip()[:160] if lines else None
+
+
+def engine_row(report: dict | None, model: str, log: Path | None = None) -> dict:
     """The figures of one engine_bench report: its default road's bs1 and 128-concurrent runs."""
     if report is None:
-        return {"error": "no report (the run did not finish)"}
+        why = last_line(log) if log else None
+        return {"error": f"no report (the run did not finish{': ' + why if why else ''})"}
     res = report.get("models", {}).get(model, {})
     error = res.get("kestrel_error") or res.get("error")
     variants = res.get("kestrel") or {}
@@ -61,10 +71,11 @@ def step_us(ar: dict | None, road: str) -> float | None:
 def build(folder: Path, model: str) -> dict:
     rows = []
     # bench_tp2.json, bench_tp2_nccl.json; not engine_bench's per-model parts beside them (bench_tp2.MODEL.kestrel.json)
-    runs = sorted((int(m[1]), bool(m[2]), p) for p in folder.glob("bench_tp*.json")
-                  if (m := re.fullmatch(r"bench_tp(\d+)(_nccl)?", p.stem)))
+    # A run the step's timeout cut wrote its log but no report: a row still, saying so.
+    runs = sorted({(int(m[1]), bool(m[2]), p.with_suffix(".json")) for p in folder.glob("bench_tp*.*")
+                   if p.suffix in (".json", ".log") and (m := re.fullmatch(r"bench_tp(\d+)(_nccl)?", p.stem))})
     for tp, nccl, path in runs:
-        row = engine_row(load(path), model)
+        row = engine_row(load(path), model, path.with_suffix(".log"))
         # what the file name says, even where the run wrote nothing
         row.update(file=path.name, tp=tp, disable_custom_all_reduce=nccl)
         ar = load(folder / f"ar_tp{row['tp']}.json")
@@ -78,8 +89,8 @@ def build(folder: Path, model: str) -> dict:
         got = next((r["speedup"] for r in rows if r["tp"] == tp and not r["disable_custom_all_reduce"]), None)
         targets.append({"what": f"bs1 decode TP={tp} >= {want}x TP=1", "value": got,
                         "met": None if got is None else got >= want})
-    all_reduce = {int(m[1]): load(p) for p in sorted(folder.glob("ar_tp*.json"))
-                  if (m := re.fullmatch(r"ar_tp(\d+)", p.stem))}
+    all_reduce = {int(m[1]): load(p.with_suffix(".json")) for p in sorted(folder.glob("ar_tp*.*"))
+                  if p.suffix in (".json", ".log") and (m := re.fullmatch(r"ar_tp(\d+)", p.stem))}
     return {"model": model, "rows": rows, "targets": targets, "all_reduce": all_reduce,
             "sigterm": load(folder / "sigterm.json"), "tests": tests_line(folder / "tests.log")}
 
@@ -93,11 +104,12 @@ def tests_line(path: Path) -> str | None:
     return found[-1] if found else (lines[-1] if lines else None)
 
 
-def render(summary: dict) -> str:
+def render(summary: dict, folder: Path = Path(".")) -> str:
     out = []
     for world, ar in summary["all_reduce"].items():
         if not ar:
-            out.append(f"all-reduce at {world} ranks: no report")
+            why = last_line(folder / f"ar_tp{world}.log") or "no log"
+            out += [f"all-reduce bench at {world} ranks: no report ({why})", ""]
             continue
         state = "" if ar.get("complete") else f" (incomplete: {ar.get('error')})"
         backend = ar.get("backend", "nccl")   # gloo in a CPU smoke run
@@ -162,7 +174,7 @@ def main(argv: list[str] | None = None) -> int:
     summary = build(args.folder, args.model)
     if args.json:
         args.json.write_text(json.dumps(summary, indent=1))
-    print(render(summary))
+    print(render(summary, args.folder))
     return 0
 
 

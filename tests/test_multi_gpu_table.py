@@ -51,7 +51,11 @@ def test_missing_and_failed_runs_show_as_such(tmp_path):
     (tmp_path / "bench_tp2.json").write_text(json.dumps(
         {"models": {"llama-3.1-8b": {"kestrel_error": "benchmark process wrote no report: boom"}}}))
     (tmp_path / "bench_tp1.json").write_text("{not json")
-    text = render(build(tmp_path, "llama-3.1-8b"))
+    (tmp_path / "bench_tp4.log").write_text("killed by the step's timeout\nrc=124\n")   # no report beside it
+    (tmp_path / "ar_tp4.log").write_text("error: --device cuda: no CUDA device is visible\nrc=2\n")
+    text = render(build(tmp_path, "llama-3.1-8b"), tmp_path)
     assert "| 1 | — | error: no report" in text and "error: benchmark process wrote no report: boom" in text
     assert "TP=2 >= 1.5x TP=1: —, not measured" in text
+    assert "| 4 | ? | error: no report (the run did not finish: killed by the step's timeout)" in text
+    assert "all-reduce bench at 4 ranks: no report (error: --device cuda: no CUDA device is visible)" in text
     assert "SIGTERM check: did not run" in text and "test_tp_gpu.py: did not run" in text
