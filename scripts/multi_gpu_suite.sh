@@ -32,7 +32,9 @@ st() { echo "=== $* ($((SECONDS - T0)) s)" | tee -a "$LOG"; }
 run() {
   local limit=$1 log=$2; shift 2
   if [ $DRY = 1 ]; then echo "[dry-run] timeout $limit $(printf '%q ' "$@")> $log" | tee -a "$LOG"; return 0; fi
-  if [ "$limit" -lt 10 ]; then echo "skipped: the budget is spent" > "$log"; echo "skipped: $*" >> "$LOG"; return 124; fi
+  if [ "$limit" -lt 10 ]; then
+    echo "skipped: the budget is spent" > "$log"; echo "skipped: $*" >> "$LOG"; return 124
+  fi
   timeout "$limit" "$@" > "$log" 2>&1; local rc=$?
   echo "rc=$rc" >> "$log"; echo "exit $rc" | tee -a "$LOG"; return $rc
 }
@@ -52,7 +54,8 @@ st "nvidia-smi"
 if [ $DRY = 1 ]; then NGPU=${NGPU:-4}; else
   nvidia-smi > "$O/gpu.txt" 2>&1; nvidia-smi topo -m >> "$O/gpu.txt" 2>&1
   echo "commit ${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo '?')}" >> "$O/gpu.txt"
-  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" >> "$O/gpu.txt" 2>&1
+  python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)" \
+    >> "$O/gpu.txt" 2>&1
   NGPU=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU'); nvidia-smi -L | tee -a "$LOG"
 fi
 TPS=${TPS:-$(for t in 1 2 4; do [ "$t" -le "$NGPU" ] && printf '%s ' $t; done)}
@@ -83,9 +86,10 @@ for r in "${RUNS[@]}"; do
   st "engine bench $MODEL TP=$tp${road:+ (--disable-custom-all-reduce)}"
   # the first run also writes the random-weight checkpoint (~30 s), which the others and the SIGTERM check reuse
   want=110; [ $i = 1 ] && want=140
-  run "$(lim $want $(((${#RUNS[@]} - i) * ENGINE_EACH + SIG + TAIL)))" "$O/$name.log" python3 -m benchmarks.engine_bench \
-    --workdir "$WORK" --models "$MODEL" --skip-hf --graphs-only --prefix-bench none --tensor-parallel-size "$tp" \
-    ${road:+--disable-custom-all-reduce} --out "$O/$name.json"
+  l=$(lim $want $(((${#RUNS[@]} - i) * ENGINE_EACH + SIG + TAIL)))
+  run "$l" "$O/$name.log" python3 -m benchmarks.engine_bench --workdir "$WORK" --models "$MODEL" --skip-hf \
+    --graphs-only --prefix-bench none --tensor-parallel-size "$tp" ${road:+--disable-custom-all-reduce} \
+    --out "$O/$name.json"
   [ $DRY = 1 ] || one_line "$O/$name.json"; reap "engine bench TP=$tp"
 done
 
