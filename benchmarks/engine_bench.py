@@ -106,10 +106,17 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
 def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     progress = Progress()
     t0 = time.perf_counter()
+    tp = args.tensor_parallel_size
     engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=args.concurrency,
-                                 max_num_seqs=max(256, args.concurrency), quantization=args.quantization), progress)
+                                 max_num_seqs=max(256, args.concurrency), quantization=args.quantization,
+                                 tensor_parallel_size=tp,
+                                 disable_custom_all_reduce=args.disable_custom_all_reduce), progress)
     if args.quantization:
         results["quantization"] = args.quantization
+    results["tensor_parallel_size"] = tp
+    results["disable_custom_all_reduce"] = args.disable_custom_all_reduce
+    # whether the symmetric-memory road opened on rank 0 (it opens on all ranks or none: a collective check)
+    results["custom_all_reduce"] = getattr(engine.runner.tp, "fast_all_reduce", None) is not None
     results["startup_s"] = time.perf_counter() - t0
     results["startup_phases_s"] = {k: round(v, 3) for k, v in progress.phase_durations.items()}
     files = sum(f.stat().st_size for f in Path(model_dir).glob("*.safetensors")) if Path(model_dir).is_dir() else 0
@@ -119,6 +126,7 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
         results["load_gb_s"] = files / load_s / 1e9
     runner = engine.runner
     results["attention_backend"] = runner.backend.name
+    # with tensor parallelism: rank 0's shard (every rank reads its own in parallel, so the roofline is per GPU)
     results["weight_bytes"] = weight_bytes(runner.model)
     results["decode_weight_bytes"] = decode_weight_bytes(runner.model)
     graphs = runner.graphs
@@ -130,7 +138,9 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     ttfts = [run_requests(engine, one, 1)["ttft_s"][0] for _ in range(5)]
     results["ttft_128_ms"] = 1000 * sorted(ttfts)[2]
     results["prefill_graphs"] = runner.prefill_graphs is not None
-    if runner.prefill_graphs is not None:   # the same prompt through the eager prefill path
+    # With tensor parallelism rank 0's runner is a DriverRunner: switching its graphs or backend off here would
+    # not reach the other ranks (nor its own inner runner), so only the default road is timed (as --graphs-only).
+    if runner.prefill_graphs is not None and tp == 1:   # the same prompt through the eager prefill path
         saved, runner.prefill_graphs = runner.prefill_graphs, None
         results["ttft_128_ms_eager_prefill"] = 1000 * sorted(
             run_requests(engine, one, 1)["ttft_s"][0] for _ in range(5))[2]
@@ -149,8 +159,9 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     if args.prefix_bench and name_of(model_dir) in args.prefix_bench.split(","):
         results["shared_prefix"] = prefix_cache_bench(engine, vocab)
     prefill_graphs = runner.prefill_graphs
-    if getattr(args, "graphs_only", False):   # the default road only: no eager or other-backend variants
+    if getattr(args, "graphs_only", False) or tp > 1:   # the default road only: no eager or other-backend variants
         results["kestrel"] = variants
+        engine.runner.close()   # tensor parallelism: the other ranks stop now, their GPUs freed for what comes next
         return
     if graphs:
         runner.graphs = runner.prefill_graphs = None
@@ -241,7 +252,7 @@ def bench_hf(model_dir: Path, vocab: int, args, results: dict) -> None:
     torch.cuda.empty_cache()
 
 
-def main() -> int:
+def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser()
     ap.add_argument("--models", default="kestrel-tiny,qwen3-0.6b,llama-3.1-8b")
     ap.add_argument("--out", default="bench_results.json")
@@ -263,14 +274,24 @@ def main() -> int:
     ap.add_argument("--fp8-checkpoint", default=None, choices=sorted(FP8_CHECKPOINTS),
                     help="bench an FP8 checkpoint written from each random one: block (HF fp8, 128x128 tiles) or "
                     "channel (compressed-tensors, per output channel); the HF peer stays bf16")
-    args = ap.parse_args()
+    ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
+                    help="Kestrel on N GPUs (rank 0's process is the benchmark's; the default road only, as "
+                    "--graphs-only; the HF peer stays on one GPU)")
+    ap.add_argument("--disable-custom-all-reduce", action="store_true",
+                    help="with --tensor-parallel-size: NCCL for every all-reduce (no symmetric-memory road)")
+    return ap
+
+
+def main() -> int:
+    args = build_parser().parse_args()
     if not args.in_process:
         return bench_each_model_in_a_child(args)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s", stream=sys.stderr)
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="kestrel-bench-"))
     bw = copy_bandwidth_bytes_per_s()
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "copy_bandwidth_tb_s": bw / 1e12,
-              "models": {}}
+              "tensor_parallel_size": args.tensor_parallel_size,
+              "disable_custom_all_reduce": args.disable_custom_all_reduce, "models": {}}
     for name in args.models.split(","):
         res: dict = {}
         report["models"][name] = res
@@ -321,6 +342,18 @@ def fp8_checkpoint(src: Path, kind: str, res: dict) -> Path:
     return dst
 
 
+def child_command(args, name: str, system: str, out: Path, workdir: str) -> list[str]:
+    """This script (--in-process) for one model and system, with every flag of this run that shapes the engine."""
+    return [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--only", system,
+            "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
+            "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
+            "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else []) \
+        + (["--quantization", args.quantization] if args.quantization else []) \
+        + (["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size != 1 else []) \
+        + (["--disable-custom-all-reduce"] if args.disable_custom_all_reduce else []) \
+        + (["--fp8-checkpoint", args.fp8_checkpoint] if args.fp8_checkpoint else [])
+
+
 def bench_each_model_in_a_child(args) -> int:
     """Run this script (--in-process) once per model and system, so neither the previous model's nor Kestrel's
     memory (its KV cache takes most of the GPU) is held when the next one starts; merge the JSON reports."""
@@ -331,13 +364,7 @@ def bench_each_model_in_a_child(args) -> int:
     for name in args.models.split(","):
         for system in systems:
             out = Path(args.out).with_suffix(f".{name}.{system}.json")
-            cmd = [sys.executable, "-m", "benchmarks.engine_bench", "--in-process", "--only", system,
-                   "--models", name, "--out", str(out), "--workdir", workdir, "--output-len", str(args.output_len),
-                   "--concurrency", str(args.concurrency), "--hf-tokens", str(args.hf_tokens),
-                   "--prefix-bench", args.prefix_bench] + (["--graphs-only"] if args.graphs_only else []) \
-                + (["--quantization", args.quantization] if args.quantization else []) \
-                + (["--fp8-checkpoint", args.fp8_checkpoint] if args.fp8_checkpoint else [])
-            subprocess.run(cmd, stdout=subprocess.DEVNULL, check=False)
+            subprocess.run(child_command(args, name, system, out, workdir), stdout=subprocess.DEVNULL, check=False)
             try:
                 part = json.loads(out.read_text())
             except (OSError, ValueError) as exc:

@@ -28,3 +28,19 @@ def test_single_stream_counts_every_token_and_times_decode_apart_from_the_first(
     r = single_stream(engine, [[5, 6, 7, 8], [9, 10, 11]], max_tokens=6)
     assert r["tok_s"] > 0 and r["decode_tok_s"] > 0 and r["ttft_ms_mean"] > 0
     assert abs(r["ms_per_token"] - 1000 / r["tok_s"]) < 1e-6
+
+
+def test_the_per_model_children_get_the_tensor_parallel_flags():
+    """The default mode runs each model in a child process: the flags that shape the engine must reach it."""
+    from pathlib import Path
+
+    from benchmarks.engine_bench import build_parser, child_command
+
+    parser = build_parser()
+    args = parser.parse_args(["--models", "llama-3.1-8b", "--skip-hf", "--graphs-only", "--tensor-parallel-size",
+                              "4", "--disable-custom-all-reduce", "--quantization", "fp8", "--prefix-bench", "none"])
+    child = parser.parse_args(child_command(args, "llama-3.1-8b", "kestrel", Path("o.json"), "/tmp/w")[3:])
+    assert child.in_process and child.only == "kestrel" and child.graphs_only
+    assert child.tensor_parallel_size == 4 and child.disable_custom_all_reduce and child.quantization == "fp8"
+    plain = parser.parse_args(child_command(parser.parse_args([]), "qwen3-0.6b", "hf", Path("o.json"), "/tmp/w")[3:])
+    assert plain.tensor_parallel_size == 1 and not plain.disable_custom_all_reduce
