@@ -4,7 +4,7 @@
 # --quantization fp8 (per-channel, quantized at load), all in this call; the per-layer FP8 GEMV times; Qwen3-30B-A3B
 # bs1 (moe_bench); tests/gpu for MoE and speculation; kestrel-tiny speculation (drafter_bench).
 # Results in $OUT/call3.tgz; steps.txt holds the short table (also printed). END=SECONDS shortens it. A step that
-# would not fit in what is left is skipped and says so.
+# would not fit in what is left is skipped and says so. ORDER="moe moe_tests ..." picks and orders the steps.
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=/tmp/o3; mkdir -p $O; T0=$SECONDS; END=${END:-590}; W=/tmp/kestrel-bench; mkdir -p $W
 source scripts/install_gpu_wheels.sh > /dev/null 2>&1
@@ -20,16 +20,18 @@ bench() { local name=$1; shift
     --prefix-bench none --out $O/$name.json "$@"; }
 pyt() { run "tests_$1" 30 $2 python3 -m pytest -q -p no:cacheprovider -rfE --tb=short tests/gpu/test_$1_gpu.py; }
 
-pyt fp8 100
-bench bf16
-BENCH_MAX=140 bench fp8_block --fp8-checkpoint block
-run fp8_gemv 20 50 python3 -m benchmarks.fp8_gemv_bench --no-sweep --out $O/fp8_gemv.json
-run moe 60 110 python3 -m benchmarks.moe_bench --shape qwen3-30b-a3b --out $O/moe_qwen3.json
-pyt moe 80
-pyt spec 60
-run drafter 30 50 python3 -m benchmarks.drafter_bench --target $PWD/models/kestrel-tiny \
-  --drafter $PWD/models/kestrel-tiny-eagle3 --prompts 8 --device cuda --out $O/drafter_cur.json
-bench fp8_online --quantization fp8
+step_fp8_tests() { pyt fp8 100; }
+step_bf16() { bench bf16; }
+step_fp8_block() { BENCH_MAX=140 bench fp8_block --fp8-checkpoint block; }
+step_fp8_gemv() { run fp8_gemv 20 50 python3 -m benchmarks.fp8_gemv_bench --no-sweep --out $O/fp8_gemv.json; }
+step_moe() { run moe 60 110 python3 -m benchmarks.moe_bench --shape qwen3-30b-a3b --out $O/moe_qwen3.json; }
+step_moe_tests() { pyt moe 80; }
+step_spec_tests() { pyt spec 60; }
+step_drafter() { run drafter 30 50 python3 -m benchmarks.drafter_bench --target $PWD/models/kestrel-tiny \
+  --drafter $PWD/models/kestrel-tiny-eagle3 --prompts 8 --device cuda --out $O/drafter_cur.json; }
+step_fp8_online() { bench fp8_online --quantization fp8; }
+# ORDER: the steps to run, in order (a step that does not fit in what is left is skipped)
+for s in ${ORDER:-fp8_tests bf16 fp8_block fp8_gemv moe moe_tests spec_tests drafter fp8_online}; do step_$s; done
 st table
 python3 - $O <<'EOF' | tee -a $O/steps.txt
 import json, sys, pathlib
