@@ -23,7 +23,10 @@ How a call runs:
                          down folded in as for bf16 (apply_norm, apply_silu)
     CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py (split-K over scale-tile segments); folds unfused
     CUDA, M > 16, row    `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
-    CUDA, M > 16, block  dequantize per call (a block-scaled GEMM is future work)
+    CUDA, M > 16, block  `block_large`: kernels/triton/fp8_block_gemm.py, FP8 tiles widened to bf16 in registers
+                         (W8A16 on the tensor cores), the tile scales on each tile's partial sums; split-K when
+                         the output tiles are under one wave (decode's o and down at 128 rows)
+    CUDA, float32 x      dequantize per call (the block GEMM needs bf16/fp16 tensor-core inputs)
 """
 from __future__ import annotations
 
@@ -91,6 +94,8 @@ class Fp8LinearMethod(LinearMethod):
     skinny: "SkinnyFp8 | None" = None
     # (x, w8, row scale, bias) -> [M, N]; None: the reference. Row scales only.
     large: Callable[..., torch.Tensor] | None = None
+    # Block scales, x of more than `small_max_rows` rows, bf16/fp16: (x, w8, scale, block, bias) -> [M, N]
+    block_large: Callable[..., torch.Tensor] | None = None
 
     # -- weights ------------------------------------------------------------------------------------------------
     def create_weights(self, layer: LinearBase) -> None:
@@ -179,6 +184,8 @@ class Fp8LinearMethod(LinearMethod):
             return self.small(x, layer.weight, scale, block, layer.bias)
         if self.large is not None and block is None and scaled_mm_usable(x, layer.weight):
             return self.large(x, layer.weight, scale, layer.bias)
+        if self.block_large is not None and block is not None and x.dtype in (torch.bfloat16, torch.float16):
+            return self.block_large(x, layer.weight, scale, block, layer.bias)
         return F.linear(x, dequantize(layer.weight, scale, block).to(x.dtype), layer.bias)
 
     def apply_norm(self, layer: LinearBase, x: torch.Tensor, residual: torch.Tensor | None, norm: Norm
@@ -204,20 +211,23 @@ class SkinnyFp8:
 
 
 def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PLAIN) -> Fp8LinearMethod:
-    """The FP8 kernels on CUDA (the Triton skinny matmul for decode sizes, torch._scaled_mm above for row
-    scales), the dequantizing reference elsewhere."""
+    """The FP8 kernels on CUDA (the Triton skinny matmul for decode sizes; above them torch._scaled_mm for row
+    scales and the Triton block GEMM for tile scales), the dequantizing reference elsewhere."""
     if device.type != "cuda":
         return Fp8LinearMethod(scheme, dense)
     from kestrel.kernels.triton import gemv
+    from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
     from kestrel.kernels.triton.fp8_gemv import MAX_M, fp8_gemv
 
     # _scaled_mm's row-wise scaling needs Hopper (sm90) or newer; below it the reference runs.
     large = scaled_mm_linear if torch.cuda.get_device_capability(device) >= (9, 0) else None
     # the kernel's K step divides the tile width, and is at least 16
     small = fp8_gemv if scheme.block is None or scheme.block[1] % 16 == 0 else None
+    # the block GEMM's tiles divide the scale tile, and tl.dot wants them >= 16
+    tiles_fit = scheme.block is not None and all((d & -d) >= 16 for d in scheme.block)
     skinny = SkinnyFp8(gemv.gemv, gemv.add_rms_norm_gemv, gemv.silu_mul_gemv)
     return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=min(MAX_M, gemv.MAX_M), skinny=skinny,
-                           large=large)
+                           large=large, block_large=fp8_block_gemm if tiles_fit else None)
 
 
 def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[str], list[str]]) -> list[str]:

@@ -1,0 +1,74 @@
+"""The FP8 block-scaled matmul for M > 16 rows (kernels/triton/fp8_block_gemm.py) against a float64 reference that
+expands the tile scales by indexing, under TRITON_INTERPRET=1 in a child process; and its config table."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kestrel.layers.fp8_quant import quantize_per_block
+from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
+from tests.triton_interpreter import interpreted_only as interpreted_only_marker
+
+interpreted_only = interpreted_only_marker("test_fp8_block_gemm_under_triton_interpreter")
+
+N, K = 80, 272   # neither a multiple of the tiles below nor of the kernel's blocks
+
+
+def reference(x, w8, scale, block, bias) -> torch.Tensor:
+    rows = torch.arange(w8.shape[0]) // block[0]
+    cols = torch.arange(w8.shape[1]) // block[1]
+    out = x.double() @ (w8.double() * scale.double()[rows][:, cols]).T
+    return out if bias is None else out + bias.double()
+
+
+@pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
+def test_fp8_block_gemm_under_triton_interpreter():
+    run_file_under_interpreter(__file__)
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [(16, 32), (32, 64), (128, 128)], ids=str)
+@pytest.mark.parametrize("m,with_bias,split_k", [(17, True, 1), (40, False, 1), (130, True, 1), (33, False, 3)])
+def test_fp8_block_gemm_matches_the_reference(block, m, with_bias, split_k):
+    from dataclasses import replace
+
+    from kestrel.kernels.triton.fp8_block_gemm import default_config, fp8_block_gemm
+
+    g = torch.Generator().manual_seed(m + block[0])
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+    w8, scale = quantize_per_block(torch.randn(N, K, generator=g) * 0.05, block)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16) if with_bias else None
+    cfg = replace(default_config(m, N, K, block), split_k=split_k)   # split 3: K's steps do not split evenly
+    got = fp8_block_gemm(x, w8, scale, block, bias, config=cfg)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, N)
+    want = reference(x, w8, scale, block, bias)
+    # one bf16 rounding of the output (the interpreter truncates: under 1 ulp, 2^-7 relative); float32 sums
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+
+
+@interpreted_only
+def test_fp8_block_gemm_of_no_rows_and_fp16():
+    from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
+
+    w8, scale = quantize_per_block(torch.randn(N, K) * 0.05, (16, 16))
+    assert fp8_block_gemm(torch.empty(0, K, dtype=torch.bfloat16), w8, scale, (16, 16)).shape == (0, N)
+    x = torch.randn(20, K).half()
+    want = reference(x, w8, scale, (16, 16), None)
+    assert ((fp8_block_gemm(x, w8, scale, (16, 16)).double() - want).abs() <= want.abs() * 2 ** -10 + 1e-3).all()
+
+
+def test_config_table_on_the_8b_layers():
+    """Decode at 128 rows: split-K where the output tiles are under one H100 wave (o, down); prefill chunks
+    (thousands of rows) never split. The tile always divides the 128 x 128 scale tile."""
+    from kestrel.kernels.triton.fp8_block_gemm import TARGET_PROGRAMS, default_config
+
+    layers = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (28672, 4096), "down": (4096, 14336)}
+    for name, (n, k) in layers.items():
+        for m in (17, 64, 128, 2048):
+            cfg = default_config(m, n, k, (128, 128))
+            assert 128 % cfg.block_n == 0 and 128 % cfg.block_k == 0
+            tiles = -(-m // cfg.block_m) * -(-n // cfg.block_n)
+            assert cfg.split_k == 1 or tiles * cfg.split_k <= TARGET_PROGRAMS, (name, m, cfg)
+            assert k // (cfg.block_k * cfg.split_k) >= 4, (name, m, cfg)
+        assert default_config(2048, n, k, (128, 128)).split_k == 1
+    assert default_config(128, 4096, 14336, (128, 128)).split_k > 1   # down at c128: 32 tiles alone
