@@ -55,9 +55,48 @@ def test_large_batches_decode_plainly_once_measured():
 
 def test_an_unmeasured_depth_is_estimated_between_measured_ones():
     policy = DepthPolicy(K)
-    policy.record_step(1, 0, 5.0)
-    policy.record_step(1, 3, 11.0)
+    for depth, seconds in ((0, 5.0), (3, 11.0)):
+        policy.record_step(1, depth, 99.0)   # the switch's step: dropped
+        policy.record_step(1, depth, seconds)
     assert policy._estimate(1, 1, 5.0) == 7.0 and policy._estimate(1, 2, 5.0) == 9.0
+
+
+def feed_with_switch_cost(policy: DepthPolicy, rate: float, steady: dict[int, float], switch: float,
+                          steps: int) -> list[int]:
+    """One sequence; a step costs steady[depth], plus `switch` when its depth differs from the step before (the
+    overlap schedule draining or refilling)."""
+    chosen, last = [], None
+    for _ in range(steps):
+        depth, per_seq = policy.choose([0], [K])
+        policy.record_step(1, depth, steady[depth] + (switch if depth != last else 0.0))
+        last = depth
+        chosen.append(depth)
+        accepted = 0
+        while accepted < per_seq[0] and rate ** (accepted + 1) >= 0.5:
+            accepted += 1
+        policy.record_acceptance(0, per_seq[0], accepted)
+    return chosen
+
+
+def test_a_plain_step_timed_between_verify_steps_does_not_keep_speculation_on():
+    """A tiny model: a steady plain step costs 1, a verify step 5 for ~1.9 tokens, and a switch 4 more. A plain
+    step timed right after a verify step (5 = 1 + 4) would make speculation look as cheap as decoding; the
+    switch's step is dropped, so the policy settles on plain decoding."""
+    chosen = feed_with_switch_cost(DepthPolicy(K), rate=0.6, steady={0: 1.0, 1: 3.0, 2: 4.0, 3: 5.0}, switch=4.0,
+                                   steps=200)
+    assert chosen[-100:].count(0) >= 95
+
+
+def test_the_plain_step_is_measured_again_while_speculating():
+    """While a bucket speculates its plain step is timed again every remeasure_every steps (a run of plain steps,
+    the first dropped), so a plain step that became cheaper turns speculation off."""
+    policy = DepthPolicy(K, remeasure_every=32)
+    steady = {0: 5.0, 1: 5.5, 2: 6.0, 3: 6.5}
+    chosen = feed_with_switch_cost(policy, rate=0.9, steady=steady, switch=1.0, steps=100)
+    assert chosen[-40:].count(K) >= 34 and chosen[-40:].count(0) >= 2   # speculating, with re-measurements
+    steady[0] = 1.0   # plain decoding got 5x cheaper (e.g. a stalled first measurement, now gone)
+    chosen = feed_with_switch_cost(policy, rate=0.9, steady=steady, switch=1.0, steps=200)
+    assert chosen[-50:].count(0) >= 45
 
 
 def test_a_request_comes_back_when_its_text_turns_predictable():

@@ -11,7 +11,11 @@ step), an exponential moving average; a depth never measured in a bucket is esti
 depths around it (past the deepest, +10% of a plain step a draft) and tried once when that estimate says it
 could beat the best measured depth. The depth with the highest goodput wins,
 0 included, so at large batches (verification is compute-bound) and for requests that keep rejecting drafts the
-engine decodes plainly. A sequence whose acceptance has fallen below `min_acceptance` stops drafting and is probed
+engine decodes plainly. A step right after the depth changed is not timed: it pays for the switch (the overlap
+schedule drains before a verify step and refills after it), so a plain step timed between two verify steps would
+cost several steady plain steps and keep speculation on where it loses. For the same reason the plain step is
+measured again, as a short run of plain steps, every `remeasure_every` steps of a bucket that speculates.
+A sequence whose acceptance has fallen below `min_acceptance` stops drafting and is probed
 again after `probe_every` steps, then after twice as many for each probe that fails (at most MAX_PROBE_GAP), so
 it comes back when its text turns predictable and costs little while it does not.
 """
@@ -23,6 +27,7 @@ PRIOR_COST_PER_DRAFT = 0.10   # T(b, k) / T(b, 0) - 1 per draft before anything 
 EMA = 0.2                     # weight of the newest measurement
 MAX_PROBE_GAP = 512          # steps: a request that keeps rejecting is probed at least this often
 PROBE_ACCEPTANCE = 0.7        # assumed for a request never measured, or probed again after it stopped drafting
+PLAIN_RUN = 3                 # plain steps of a re-measurement: the first pays the switch, the others are timed
 
 
 def bucket_of(batch_size: int) -> int:
@@ -54,8 +59,12 @@ class DepthPolicy:
     depths: tuple[int, ...] | None = None   # the depths a step may take (None: 0 .. max_depth); a tree: (0, K)
     min_acceptance: float = 0.2
     probe_every: int = 16
+    remeasure_every: int = 64   # steps of a speculating bucket between two re-measurements of its plain step
     step_time: dict[tuple[int, int], float] = field(default_factory=dict)   # (bucket, depth) -> seconds
     seqs: dict[int, _SeqAcceptance] = field(default_factory=dict)
+    _last_timed_depth: dict[int, int] = field(default_factory=dict)   # bucket -> depth of its last step recorded
+    _since_plain: dict[int, int] = field(default_factory=dict)        # bucket -> steps since its plain step was timed
+    _plain_run: dict[int, int] = field(default_factory=dict)          # bucket -> plain steps left to re-measure
 
     def choose(self, seq_ids: list[int], limits: list[int]) -> tuple[int, list[int]]:
         """(the step's depth, each sequence's number of drafts). limits[i] caps sequence i (tokens it may still
@@ -80,6 +89,9 @@ class DepthPolicy:
         base = self.step_time.get((b, 0))
         if base is None:   # measure a plain step of this bucket first: every estimate is relative to it
             return 0
+        if self._plain_run.get(b, 0) > 0:   # a re-measurement of the plain step is under way
+            self._plain_run[b] -= 1
+            return 0
         others = batch_size - len(rates)   # sequences in the step that do not draft: one token each
         best, best_goodput = 0, None
         for k in (self.depths if self.depths is not None else range(self.max_depth + 1)):
@@ -87,6 +99,12 @@ class DepthPolicy:
             goodput = (others + sum(expected_tokens(r, k) for r in rates)) / estimate
             if best_goodput is None or goodput > best_goodput:
                 best, best_goodput = k, goodput
+        if best > 0:
+            self._since_plain[b] = self._since_plain.get(b, 0) + 1
+            if self._since_plain[b] >= self.remeasure_every:
+                self._since_plain[b] = 0
+                self._plain_run[b] = PLAIN_RUN - 1
+                return 0
         return best
 
     def _estimate(self, bucket: int, k: int, base: float) -> float:
@@ -105,7 +123,16 @@ class DepthPolicy:
 
     # ---- measurements --------------------------------------------------------------------------------------
     def record_step(self, batch_size: int, depth: int, seconds: float) -> None:
-        key = (bucket_of(batch_size), depth)
+        """A step's measured time, in step order. The first step of a bucket at a new depth is the switch's, not
+        the depth's (module docstring), and is dropped."""
+        bucket = bucket_of(batch_size)
+        switched = self._last_timed_depth.get(bucket) != depth
+        self._last_timed_depth[bucket] = depth
+        if switched:
+            return
+        if depth == 0:
+            self._since_plain[bucket] = 0
+        key = (bucket, depth)
         old = self.step_time.get(key)
         self.step_time[key] = seconds if old is None else (1 - EMA) * old + EMA * seconds
 
