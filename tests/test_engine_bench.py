@@ -38,9 +38,11 @@ def test_the_per_model_children_get_the_tensor_parallel_flags():
 
     parser = build_parser()
     args = parser.parse_args(["--models", "llama-3.1-8b", "--skip-hf", "--graphs-only", "--tensor-parallel-size",
-                              "4", "--disable-custom-all-reduce", "--quantization", "fp8", "--prefix-bench", "none"])
+                              "4", "--disable-custom-all-reduce", "--quantization", "fp8", "--prefix-bench", "none",
+                              "--fp8-checkpoint", "block"])
     child = parser.parse_args(child_command(args, "llama-3.1-8b", "kestrel", Path("o.json"), "/tmp/w")[3:])
     assert child.in_process and child.only == "kestrel" and child.graphs_only
     assert child.tensor_parallel_size == 4 and child.disable_custom_all_reduce and child.quantization == "fp8"
+    assert child.fp8_checkpoint == "block"
     plain = parser.parse_args(child_command(parser.parse_args([]), "qwen3-0.6b", "hf", Path("o.json"), "/tmp/w")[3:])
-    assert plain.tensor_parallel_size == 1 and not plain.disable_custom_all_reduce
+    assert plain.tensor_parallel_size == 1 and not plain.disable_custom_all_reduce and plain.fp8_checkpoint is None
