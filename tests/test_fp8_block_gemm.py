@@ -72,3 +72,24 @@ def test_config_table_on_the_8b_layers():
             assert k // (cfg.block_k * cfg.split_k) >= 4, (name, m, cfg)
         assert default_config(2048, n, k, (128, 128)).split_k == 1
     assert default_config(128, 4096, 14336, (128, 128)).split_k > 1   # down at c128: 32 tiles alone
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
+@pytest.mark.parametrize("m,n,k", [(128, 4096, 14336), (17, 6144, 4096), (2048, 28672, 4096)], ids=str)
+def test_table_configs_build_for_sm90_on_the_tensor_cores(m, n, k):
+    """Each config the table picks for an 8B layer compiles for Hopper with Triton's own ptxas, on MMA."""
+    import triton
+
+    from kestrel.kernels.triton.fp8_block_gemm import _fp8_block_gemm_kernel, default_config
+    from tests.sm90 import compile_for_sm90
+
+    cfg = default_config(m, n, k, (128, 128))
+    steps = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(steps, cfg.split_k)
+    partial = triton.cdiv(steps, per_split) > 1
+    constexprs = dict(K_SPLIT=per_split * cfg.block_k, SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, PARTIAL=partial,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False, USE_PDL=True)
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32" if partial else "*bf16"}
+    ptx = compile_for_sm90(_fp8_block_gemm_kernel, constexprs, types,
+                           dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    assert "mma" in ptx and "griddepcontrol.wait" in ptx

@@ -239,10 +239,11 @@ def test_skinny_fp8_table_config_matches_reference(m):
 @pytest.mark.parametrize("block", [None, (32, 32)], ids=["row", "block"])
 def test_fp8_method_runs_decode_rows_through_the_kernels(block):
     """A decode-sized batch through an FP8 layer with the kernels (the CUDA choice) gives the reference's output,
-    norm folded in for row scales; a larger batch takes the reference."""
+    the norm folded in for row and tile scales alike; a larger batch takes the reference."""
     from kestrel.kernels.triton import gemv
     from kestrel.kernels.triton.fp8_gemv import fp8_gemv
-    from kestrel.layers.fp8 import Fp8LinearMethod, Fp8Scheme, SkinnyFp8
+    from kestrel.kernels.triton.fp8_gemv import fp8_add_rms_norm_gemv, fp8_silu_mul_gemv
+    from kestrel.layers.fp8 import Fp8LinearMethod, Fp8Scheme, SkinnyFp8, SmallFp8Folds
     from kestrel.layers.linear import MergedColumnParallelLinear
     from kestrel.layers.norm import RMSNorm
 
@@ -253,7 +254,8 @@ def test_fp8_method_runs_decode_rows_through_the_kernels(block):
         return lambda *a, **k: calls.append(fn.__name__) or fn(*a, **k)
 
     fast = Fp8LinearMethod(scheme, small=counted(fp8_gemv), skinny=SkinnyFp8(
-        counted(gemv.gemv), counted(gemv.add_rms_norm_gemv), counted(gemv.silu_mul_gemv)))
+        counted(gemv.gemv), counted(gemv.add_rms_norm_gemv), counted(gemv.silu_mul_gemv)),
+        small_folds=SmallFp8Folds(counted(fp8_add_rms_norm_gemv), counted(fp8_silu_mul_gemv)))
     ref = Fp8LinearMethod(scheme)
     layers = [MergedColumnParallelLinear(64, [64, 64], method=method) for method in (fast, ref)]
     g = torch.Generator().manual_seed(3)
@@ -269,17 +271,20 @@ def test_fp8_method_runs_decode_rows_through_the_kernels(block):
         got, got_res = layers[0].norm_forward(x, residual, norm)
         want, want_res = layers[1].norm_forward(x, residual, norm)
         assert (got - want).abs().max().item() < 1e-4 and torch.equal(got_res, want_res)
-    assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_gemv"])
+    assert calls == (["add_rms_norm_gemv"] if block is None else ["fp8_add_rms_norm_gemv"])
 
 
 # -- fp8_gemv.py builds for sm_90 (Triton's ptxas, no GPU): a compile error costs no device time ----------------
 
 @pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
-@pytest.mark.parametrize("layer,m,block", [("qkv", 1, (128, 128)), ("down", 1, None), ("down", 16, (128, 128)),
-                                           ("gate_up", 4, None)], ids=str)
-def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block):
-    """The table's config for an 8B layer compiles; the first step's weights (16-byte loads) come before the PDL
-    wait, and the split-K launch's sum kernel builds too."""
+@pytest.mark.parametrize("layer,m,block,prologue", [
+    ("qkv", 1, (128, 128), 0), ("down", 1, None, 0), ("down", 16, (128, 128), 0), ("gate_up", 4, None, 0),
+    ("qkv", 1, (128, 128), 1), ("gate_up", 16, (128, 128), 1), ("down", 1, (128, 128), 2),
+    ("down", 8, (128, 128), 2)], ids=str)
+def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block, prologue):
+    """The table's config for an 8B layer compiles, plain and with its fold (1: add + RMSNorm before qkv and
+    gate_up, 2: SiLU-mul before down); the first step's weights (16-byte loads) come before the PDL wait, and the
+    split-K launch's sum kernel builds too."""
     import triton
 
     from kestrel.kernels.triton.fp8_gemv import (_fp8_gemv_kernel, _seg, _split_sum_kernel, split_plan,
@@ -289,12 +294,12 @@ def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block):
     k, n = {"qkv": (4096, 6144), "down": (14336, 4096), "gate_up": (4096, 28672)}[layer]
     cfg = table_config(m, n, k)
     k_split, splits = split_plan(k, cfg)
-    constexprs = dict(K=k, K_SPLIT=k_split, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
+    constexprs = dict(K=k, K_SPLIT=k_split, PROLOGUE=prologue, HAS_RES=prologue == 1, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
                       SCALE_BK=block[1] if block else 1, HAS_BIAS=True, BLOCK_M=16 if cfg.use_dot else
                       triton.next_power_of_2(m), BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, SEG=_seg(cfg, block),
                       USE_DOT=cfg.use_dot, UNROLL=cfg.unroll, PARTIAL=splits > 1, DOT_FP32=False,
                       DOT_PRECISION="tf32", USE_PDL=True)
-    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if splits > 1 else "*bf16"}
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "out_ptr": "*fp32" if splits > 1 else "*bf16", "eps": "fp32"}
     ptx = compile_for_sm90(_fp8_gemv_kernel, constexprs, types, dict(num_warps=cfg.num_warps,
                                                                      num_stages=cfg.num_stages))
     assert "ld.global" in ptx[:ptx.index("griddepcontrol.wait")]
@@ -302,3 +307,43 @@ def test_fp8_gemv_table_configs_build_for_sm90(layer, m, block):
     if splits > 1:
         compile_for_sm90(_split_sum_kernel, dict(SPLITS=splits, HAS_BIAS=True, BLOCK=1024, USE_PDL=True),
                          {"ws_ptr": "*fp32"}, dict(num_warps=4))
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (16, 32), (128, 128)], ids=str)
+@pytest.mark.parametrize("dtype,m,with_res", [(torch.float32, 1, True), (torch.float32, 5, False),
+                                              (torch.bfloat16, 3, True), (torch.bfloat16, 16, True)])
+def test_fp8_add_rms_norm_gemv_folds_the_norm(block, dtype, m, with_res):
+    """add + RMSNorm folded into the FP8 matmul (one launch, the split sum aside): the matmul of the normed rows,
+    and x + residual written once, as the unfused norm and fp8_gemv give."""
+    from kestrel.kernels.triton.fp8_gemv import fp8_add_rms_norm_gemv, fp8_add_rms_norm_gemv_ref
+
+    x, w8, scale, bias = operands(m, dtype, block, seed=7 + m, with_bias=True)
+    g = torch.Generator().manual_seed(m)
+    residual = torch.randn(m, K, generator=g).to(dtype) if with_res else None
+    norm_w = (1 + 0.1 * torch.randn(K, generator=g)).to(dtype)
+    out, res_out = fp8_add_rms_norm_gemv(x, residual, norm_w, 1e-6, w8, scale, block, bias)
+    want, want_res = fp8_add_rms_norm_gemv_ref(x, residual, norm_w, 1e-6, w8, scale, block, bias)
+    # the residual sum is rounded once to x's dtype (the interpreter truncates: within one ulp of torch's)
+    assert ((res_out.double() - want_res.double()).abs() <= want_res.double().abs() * 2 ** -7).all()
+    assert_close_to_reference(out, want, dtype)
+
+
+def assert_close_to_reference(out: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> None:
+    """float32: summation order only; bf16: the reference rounds W to bf16 and the kernel does not, and both round
+    the output once (the interpreter truncates): two ulps of the output's magnitude."""
+    err = (out.double() - want.double()).abs()
+    assert (err <= (1e-4 if dtype == torch.float32 else want.double().abs() * 2 ** -6 + 2e-2)).all(), err.max()
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [None, (16, 32), (128, 128)], ids=str)
+@pytest.mark.parametrize("dtype,m", [(torch.float32, 2), (torch.bfloat16, 4), (torch.bfloat16, 9)])
+def test_fp8_silu_mul_gemv_folds_the_activation(block, dtype, m):
+    from kestrel.kernels.triton.fp8_gemv import fp8_silu_mul_gemv, fp8_silu_mul_gemv_ref
+
+    g = torch.Generator().manual_seed(m)
+    gate_up = torch.randn(m, 2 * K, generator=g).to(dtype)
+    _, w8, scale, bias = operands(m, dtype, block, seed=m, with_bias=True)
+    out = fp8_silu_mul_gemv(gate_up, w8, scale, block, bias)
+    assert_close_to_reference(out, fp8_silu_mul_gemv_ref(gate_up, w8, scale, block, bias), dtype)

@@ -21,7 +21,8 @@ How a call runs:
     CUDA, M <= 16, row   `skinny`: kernels/triton/gemv.py's kernels read the FP8 bytes (half of bf16's), the scales
                          in their epilogue, with the add + RMSNorm before qkv / gate_up and the SiLU-mul before
                          down folded in as for bf16 (apply_norm, apply_silu)
-    CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py (split-K over scale-tile segments); folds unfused
+    CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py (split-K over scale-tile segments), with the add +
+                         RMSNorm and the SiLU-mul folded in (`small_folds`) as on the row road
     CUDA, M > 16, row    `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
     CUDA, M > 16, block  `block_large`: kernels/triton/fp8_block_gemm.py, FP8 tiles widened to bf16 in registers
                          (W8A16 on the tensor cores), the tile scales on each tile's partial sums; split-K when
@@ -90,6 +91,8 @@ class Fp8LinearMethod(LinearMethod):
     # Block scales, x of at most `small_max_rows` rows: (x, w8, scale, block, bias) -> [M, N]; None: the reference
     small: Callable[..., torch.Tensor] | None = None
     small_max_rows: int = 16
+    # Block scales, x of at most `small_max_rows` rows: fp8_gemv.py's folded launchers (norm, SiLU-mul)
+    small_folds: "SmallFp8Folds | None" = None
     # Row scales, x of at most `small_max_rows` rows: kernels/triton/gemv.py's three kernels (taking w_scale=)
     skinny: "SkinnyFp8 | None" = None
     # (x, w8, row scale, bias) -> [M, N]; None: the reference. Row scales only.
@@ -175,6 +178,9 @@ class Fp8LinearMethod(LinearMethod):
     def _skinny(self, x: torch.Tensor) -> bool:
         return self.skinny is not None and self.scheme.block is None and x.shape[0] <= self.small_max_rows
 
+    def _small_folded(self, x: torch.Tensor) -> bool:
+        return self.small_folds is not None and self.scheme.block is not None and x.shape[0] <= self.small_max_rows
+
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale(layer)
         block = self.scheme.block
@@ -193,13 +199,27 @@ class Fp8LinearMethod(LinearMethod):
         if self._skinny(x):
             return self.skinny.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
                                                  w_scale=self.scale(layer))
+        if self._small_folded(x):
+            return self.small_folds.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight,
+                                                      self.scale(layer), self.scheme.block, layer.bias)
         return super().apply_norm(layer, x, residual, norm)
 
     def apply_silu(self, layer: LinearBase, gate_up: torch.Tensor,
                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self._skinny(gate_up):
             return self.skinny.silu_mul_gemv(gate_up, layer.weight, layer.bias, w_scale=self.scale(layer))
+        if self._small_folded(gate_up):
+            return self.small_folds.silu_mul_gemv(gate_up, layer.weight, self.scale(layer), self.scheme.block,
+                                                  layer.bias)
         return super().apply_silu(layer, gate_up, silu_and_mul)
+
+
+@dataclass(frozen=True, slots=True)
+class SmallFp8Folds:
+    """kernels/triton/fp8_gemv.py's folded launchers for tile scales: (x, residual, norm weight, eps, w8, scale,
+    block, bias) -> (out, x + residual) and (gate_up, w8, scale, block, bias) -> out."""
+    add_rms_norm_gemv: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    silu_mul_gemv: Callable[..., torch.Tensor]
 
 
 @dataclass(frozen=True, slots=True)
@@ -217,7 +237,7 @@ def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PL
         return Fp8LinearMethod(scheme, dense)
     from kestrel.kernels.triton import gemv
     from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
-    from kestrel.kernels.triton.fp8_gemv import MAX_M, fp8_gemv
+    from kestrel.kernels.triton.fp8_gemv import MAX_M, fp8_add_rms_norm_gemv, fp8_gemv, fp8_silu_mul_gemv
 
     # _scaled_mm's row-wise scaling needs Hopper (sm90) or newer; below it the reference runs.
     large = scaled_mm_linear if torch.cuda.get_device_capability(device) >= (9, 0) else None
@@ -226,8 +246,9 @@ def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PL
     # the block GEMM's tiles divide the scale tile, and tl.dot wants them >= 16
     tiles_fit = scheme.block is not None and all((d & -d) >= 16 for d in scheme.block)
     skinny = SkinnyFp8(gemv.gemv, gemv.add_rms_norm_gemv, gemv.silu_mul_gemv)
-    return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=min(MAX_M, gemv.MAX_M), skinny=skinny,
-                           large=large, block_large=fp8_block_gemm if tiles_fit else None)
+    folds = SmallFp8Folds(fp8_add_rms_norm_gemv, fp8_silu_mul_gemv) if small is not None else None
+    return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=min(MAX_M, gemv.MAX_M), small_folds=folds,
+                           skinny=skinny, large=large, block_large=fp8_block_gemm if tiles_fit else None)
 
 
 def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[str], list[str]]) -> list[str]:

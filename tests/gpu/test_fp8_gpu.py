@@ -183,3 +183,24 @@ def test_fp8_block_gemm_replays_in_a_cuda_graph_and_beats_dequantizing(capsys):
         print(f"\n8b.down M=128 block128: fp8_block_gemm {gemm_us:.1f} us ({n * k / gemm_us / 1e3:.0f} GB/s), "
               f"dequantize + linear {dequant_us:.1f} us, bf16 cuBLAS {cublas_us:.1f} us")
     assert gemm_us < dequant_us
+
+
+@pytest.mark.parametrize("m", [1, 4, 16])
+def test_fp8_gemv_folds_match_reference(m):
+    """Tile scales with the add + RMSNorm (before qkv) and the SiLU-mul (before down) folded into fp8_gemv."""
+    from kestrel.kernels.triton.fp8_gemv import (fp8_add_rms_norm_gemv, fp8_add_rms_norm_gemv_ref,
+                                                 fp8_silu_mul_gemv, fp8_silu_mul_gemv_ref)
+
+    k, n = LAYERS["8b.qkv"]
+    x, w8, scale = operands(k, n, m, (128, 128), seed=1)
+    residual = torch.randn_like(x)
+    norm_w = (1 + 0.1 * torch.randn(k, device="cuda")).to(torch.bfloat16)
+    out, res = fp8_add_rms_norm_gemv(x, residual, norm_w, 1e-5, w8, scale, (128, 128))
+    want, want_res = fp8_add_rms_norm_gemv_ref(x, residual, norm_w, 1e-5, w8, scale, (128, 128))
+    assert torch.equal(res, want_res)
+    assert torch.allclose(out.float(), want.float(), rtol=3e-2, atol=3e-2)
+    k, n = LAYERS["8b.down"]
+    _, w8, scale = operands(k, n, m, (128, 128), seed=2)
+    gate_up = torch.randn(m, 2 * k, device="cuda").to(torch.bfloat16)
+    assert torch.allclose(fp8_silu_mul_gemv(gate_up, w8, scale, (128, 128)).float(),
+                          fp8_silu_mul_gemv_ref(gate_up, w8, scale, (128, 128)).float(), rtol=3e-2, atol=3e-2)

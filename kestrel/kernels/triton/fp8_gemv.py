@@ -28,6 +28,11 @@ Where the scales go:
   - tile scales [ceil(N / bn), ceil(K / bk)] (DeepSeek-V3 / Qwen3-FP8 blocks): per segment, its partial sums
     [BLOCK_N] times scale[n // bn, k_seg // bk], then summed over the segments.
 
+Folds (gemv.py's prologues, so block-scaled layers keep the bf16 road's launch count at decode): the add +
+RMSNorm before qkv and gate|up (fp8_add_rms_norm_gemv: rstd from a first pass over the few x rows, x + residual
+stored once by program (0, 0)) and the SiLU-mul before down (fp8_silu_mul_gemv: x = [gate | up]) are applied to
+x as each step loads it; their numerics are gemv.py's references on the dequantized weights.
+
 The numerics are fp8_gemv_ref's: float32 products and accumulation of the exactly converted weight (the scale
 multiplies partial sums of one scale tile), bias added in float32, one rounding to x's dtype; split-K changes
 the summation order only. Launches are CUDA-graph capturable: no host syncs, no autotuning at call time (the fixed
@@ -43,6 +48,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.triton.gemv import (PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU, _activation, _row_rstd,
+                                         add_rms_norm_gemv_ref, silu_mul_gemv_ref)
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 from kestrel.layers.fp8_quant import dequantize
 
@@ -152,20 +159,27 @@ def _w_step(w_ptr, k0, n_offs, n_mask, stride_wn, K: tl.constexpr, BLOCK_K: tl.c
 
 
 @triton.jit
-def _step_mac(acc, w, k0, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn,
-              K: tl.constexpr, TILE_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
+def _step_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, s_ptr, n_offs, n_mask, M, stride_xm, stride_rm,
+              stride_sn, K: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+              TILE_SCALES: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
               BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEG: tl.constexpr, USE_DOT: tl.constexpr,
               DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_M] += sum over the step's segments of scale(segment) * w_segment @ x_segment.T."""
+    """acc [BLOCK_N, BLOCK_M] += sum over the step's segments of scale(segment) * w_segment @ a_segment.T, where
+    a = prologue(x) (gemv.py's: x itself, add + RMSNorm with rstd [BLOCK_M], or SiLU-mul of [gate | up])."""
     T: tl.constexpr = BLOCK_K // SEG
     t = tl.arange(0, T)
     j = tl.arange(0, SEG)
     rows = tl.arange(0, BLOCK_M)
     ks = k0 + t[:, None] * SEG + j[None, :]                                        # [T, SEG]
     k_mask = ks < K
+    norm_w = tl.zeros([T, SEG], tl.float32)   # read only by the RMSNorm prologue
+    if PROLOGUE == PROLOGUE_RMS:
+        norm_w = tl.load(norm_w_ptr + ks, mask=k_mask, other=0.0).to(tl.float32)   # [T, SEG]
     if USE_DOT:
-        a = tl.load(x_ptr + rows[None, None, :] * stride_xm + ks[:, :, None],
-                    mask=k_mask[:, :, None] & (rows[None, None, :] < M), other=0.0)   # [T, SEG, BLOCK_M]
+        mask = k_mask[:, :, None] & (rows[None, None, :] < M)
+        a = _activation(x_ptr, res_ptr, rows[None, None, :] * stride_xm + ks[:, :, None],
+                        rows[None, None, :] * stride_rm + ks[:, :, None], mask, norm_w[:, :, None],
+                        rstd[None, None, :], K, PROLOGUE, HAS_RES)                   # [T, SEG, BLOCK_M]
         if DOT_FP32:   # Triton's interpreter gets bf16 dots wrong
             a = a.to(tl.float32)
         part = tl.dot(w.to(a.dtype), a, input_precision=DOT_PRECISION)        # FP8 -> x's dtype is exact
@@ -173,7 +187,9 @@ def _step_mac(acc, w, k0, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn,
         wf = w.to(tl.float32)
         part = tl.zeros([T, BLOCK_N, BLOCK_M], tl.float32)
         for m in tl.static_range(BLOCK_M):
-            a = tl.load(x_ptr + m * stride_xm + ks, mask=k_mask & (m < M), other=0.0).to(tl.float32)
+            rstd_m = tl.sum(tl.where(rows == m, rstd, 0.0), 0)                      # this row's rstd
+            a = _activation(x_ptr, res_ptr, m * stride_xm + ks, m * stride_rm + ks, k_mask & (m < M), norm_w,
+                            rstd_m, K, PROLOGUE, HAS_RES).to(tl.float32)
             p = tl.sum(wf * a[:, None, :], 2)                                        # [T, BLOCK_N]
             part += tl.where(rows[None, None, :] == m, p[:, :, None], 0.0)
     if TILE_SCALES:   # one scale per (row, segment): the segment lies in tile column k_seg // SCALE_BK
@@ -185,15 +201,19 @@ def _step_mac(acc, w, k0, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn,
 
 
 @triton.jit
-def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_xm, stride_wn, stride_sn, stride_om,
-                     stride_os, K: tl.constexpr, K_SPLIT: tl.constexpr, TILE_SCALES: tl.constexpr,
+def _fp8_gemv_kernel(x_ptr, res_ptr, norm_w_ptr, res_out_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_xm,
+                     stride_rm, stride_rom, stride_wn, stride_sn, stride_om, stride_os, eps,
+                     K: tl.constexpr, K_SPLIT: tl.constexpr, PROLOGUE: tl.constexpr, HAS_RES: tl.constexpr,
+                     TILE_SCALES: tl.constexpr,
                      SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr, HAS_BIAS: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SEG: tl.constexpr,
                      USE_DOT: tl.constexpr, UNROLL: tl.constexpr, PARTIAL: tl.constexpr,
                      DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr, USE_PDL: tl.constexpr):
     """Program (pid_n, split): rows pid_n * BLOCK_N.., K range split * K_SPLIT.. (module docstring). PARTIAL:
     out_ptr is the float32 workspace [splits, M, N] (stride_os between splits), bias and rounding left to
-    _split_sum_kernel; otherwise the final [M, N] in x's dtype."""
+    _split_sum_kernel; otherwise the final [M, N] in x's dtype. PROLOGUE (gemv.py's): the matmul's input is x,
+    RMSNorm(x + residual) (rstd from a first pass over the rows; program (0, 0) stores x + residual to res_out) or
+    SiLU(gate) * up of x = [gate | up] (K is then the width of one half)."""
     pid_n = tl.program_id(0)
     split = tl.program_id(1)
     n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -203,21 +223,28 @@ def _fp8_gemv_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, stride_xm, st
     # the first step's weights do not depend on the kernel before this one: read them while it finishes
     w = _w_step(w_ptr, k_lo, n_offs, n_mask, stride_wn, K, BLOCK_K, SEG)
     pdl_wait(USE_PDL)
+    rstd = tl.zeros([BLOCK_M], tl.float32)
+    if PROLOGUE == PROLOGUE_RMS:
+        rstd = _row_rstd(x_ptr, res_ptr, res_out_ptr, pid_n + split, M, stride_xm, stride_rm, stride_rom, eps,
+                         K, HAS_RES, BLOCK_M, BLOCK_K)
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    acc = _step_mac(acc, w, k_lo, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn, K, TILE_SCALES,
-                    SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, SEG, USE_DOT, DOT_FP32, DOT_PRECISION)
+    acc = _step_mac(acc, w, k_lo, x_ptr, res_ptr, norm_w_ptr, rstd, s_ptr, n_offs, n_mask, M, stride_xm, stride_rm,
+                    stride_sn, K, PROLOGUE, HAS_RES, TILE_SCALES, SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, SEG,
+                    USE_DOT, DOT_FP32, DOT_PRECISION)
     if UNROLL:
         for i in tl.static_range(1, STEPS):
             k0 = k_lo + i * BLOCK_K
             w = _w_step(w_ptr, k0, n_offs, n_mask, stride_wn, K, BLOCK_K, SEG)
-            acc = _step_mac(acc, w, k0, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn, K, TILE_SCALES,
-                            SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, SEG, USE_DOT, DOT_FP32, DOT_PRECISION)
+            acc = _step_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, s_ptr, n_offs, n_mask, M, stride_xm,
+                            stride_rm, stride_sn, K, PROLOGUE, HAS_RES, TILE_SCALES, SCALE_BN, SCALE_BK, BLOCK_M,
+                            BLOCK_N, BLOCK_K, SEG, USE_DOT, DOT_FP32, DOT_PRECISION)
     else:
         for i in range(1, STEPS):
             k0 = k_lo + i * BLOCK_K
             w = _w_step(w_ptr, k0, n_offs, n_mask, stride_wn, K, BLOCK_K, SEG)
-            acc = _step_mac(acc, w, k0, x_ptr, s_ptr, n_offs, n_mask, M, stride_xm, stride_sn, K, TILE_SCALES,
-                            SCALE_BN, SCALE_BK, BLOCK_M, BLOCK_N, BLOCK_K, SEG, USE_DOT, DOT_FP32, DOT_PRECISION)
+            acc = _step_mac(acc, w, k0, x_ptr, res_ptr, norm_w_ptr, rstd, s_ptr, n_offs, n_mask, M, stride_xm,
+                            stride_rm, stride_sn, K, PROLOGUE, HAS_RES, TILE_SCALES, SCALE_BN, SCALE_BK, BLOCK_M,
+                            BLOCK_N, BLOCK_K, SEG, USE_DOT, DOT_FP32, DOT_PRECISION)
     if not TILE_SCALES:   # one scale per output row
         acc = acc * tl.load(s_ptr + n_offs * stride_sn, mask=n_mask, other=0.0)[:, None]
     rows = tl.arange(0, BLOCK_M)
@@ -259,25 +286,68 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tupl
              bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None) -> torch.Tensor:
     """Triton twin of fp8_gemv_ref: x [M <= 16, K] (unit last stride), w8 [N, K] float8_e4m3fn, scale [N, 1]
     (row) or [ceil(N / bn), ceil(K / bk)] with block=(bn, bk) float32, bias [N] -> [M, N] in x's dtype."""
-    m, k = x.shape
+    return _launch(PROLOGUE_NONE.value, x, None, None, 0.0, w8, scale, block, bias, x.shape[1], config)[0]
+
+
+def fp8_add_rms_norm_gemv(x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor, eps: float,
+                          w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None = None,
+                          bias: torch.Tensor | None = None, config: Fp8GemvConfig | None = None
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Twin of gemv.add_rms_norm_gemv_ref with FP8 weights: (rms_norm(x + residual) @ W.T [M, N], x + residual);
+    with residual None the second result is x itself. One launch (plus the split sum) instead of a norm kernel and
+    a matmul."""
+    k = x.shape[1]
+    assert norm_weight.shape == (k,) and norm_weight.dtype == x.dtype, f"norm_weight {tuple(norm_weight.shape)}"
+    if residual is not None:
+        assert residual.shape == x.shape and residual.dtype == x.dtype and residual.stride(-1) == 1, "residual"
+    out, res_out = _launch(PROLOGUE_RMS.value, x, residual, norm_weight, eps, w8, scale, block, bias, k, config)
+    return out, (res_out if residual is not None else x)
+
+
+def fp8_silu_mul_gemv(gate_up: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor,
+                      block: tuple[int, int] | None = None, bias: torch.Tensor | None = None,
+                      config: Fp8GemvConfig | None = None) -> torch.Tensor:
+    """Twin of gemv.silu_mul_gemv_ref with FP8 weights: gate_up [M <= 16, 2I] = [gate | up], w8 [N, I]."""
+    width = gate_up.shape[1]
+    assert width % 2 == 0, f"gate_up width {width} is not even"
+    return _launch(PROLOGUE_SILU.value, gate_up, None, None, 0.0, w8, scale, block, bias, width // 2, config)[0]
+
+
+def fp8_add_rms_norm_gemv_ref(x, residual, norm_weight, eps, w8, scale, block=None, bias=None):
+    """The references of the folded launchers: gemv.py's, on the dequantized weights."""
+    return add_rms_norm_gemv_ref(x, residual, norm_weight, eps, dequantize(w8, scale, block).to(x.dtype), bias)
+
+
+def fp8_silu_mul_gemv_ref(gate_up, w8, scale, block=None, bias=None):
+    return silu_mul_gemv_ref(gate_up, dequantize(w8, scale, block).to(gate_up.dtype), bias)
+
+
+def _launch(prologue: int, x: torch.Tensor, residual: torch.Tensor | None, norm_weight: torch.Tensor | None,
+            eps: float, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
+            bias: torch.Tensor | None, k: int, config: Fp8GemvConfig | None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    m = x.shape[0]
     n = w8.shape[0]
-    _check_operands(x, w8, scale, block, bias)
+    _check_operands(x, w8, scale, block, bias, k)
     cfg = config or default_config(m, n, k)
     seg = _seg(cfg, block)
     assert cfg.block_k & (cfg.block_k - 1) == 0 and seg >= MIN_SEG, f"{cfg}: block_k a power of two, segment {seg}"
     assert not cfg.use_dot or cfg.block_n >= DOT_BLOCK_M, f"{cfg}: tl.dot needs block_n >= {DOT_BLOCK_M}"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
+    with_res = residual is not None
+    res_out = torch.empty(m, k, dtype=x.dtype, device=x.device) if with_res else None
     if m == 0 or n == 0:
-        return out
+        return out, res_out
+    res, ro = (residual, res_out) if with_res else (x, out)     # unused by the kernel without a residual
     k_split, splits = split_plan(k, cfg)
     partial = splits > 1
     # split-K: float32 partial sums [splits, M, N]; torch.empty is a caching-allocator block (graph-safe)
     dest = torch.empty(splits, m, n, dtype=torch.float32, device=x.device) if partial else out
     opts = launch_options(x.device)
     _fp8_gemv_kernel[(triton.cdiv(n, cfg.block_n), splits)](
-        x, w8, scale, bias if bias is not None else scale, dest, m, n, x.stride(0), w8.stride(0), scale.stride(0),
-        dest.stride(-2), dest.stride(0) if partial else 0,
-        K=k, K_SPLIT=k_split, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
+        x, res, norm_weight if norm_weight is not None else x, ro, w8, scale, bias if bias is not None else scale,
+        dest, m, n, x.stride(0), res.stride(0), ro.stride(0), w8.stride(0), scale.stride(0),
+        dest.stride(-2), dest.stride(0) if partial else 0, eps,
+        K=k, K_SPLIT=k_split, PROLOGUE=prologue, HAS_RES=with_res, TILE_SCALES=block is not None, SCALE_BN=block[0] if block else 1,
         SCALE_BK=block[1] if block else 1, HAS_BIAS=bias is not None,
         BLOCK_M=DOT_BLOCK_M if cfg.use_dot else triton.next_power_of_2(m), BLOCK_N=cfg.block_n,
         BLOCK_K=cfg.block_k, SEG=seg, USE_DOT=cfg.use_dot, UNROLL=cfg.unroll, PARTIAL=partial,
@@ -288,12 +358,12 @@ def fp8_gemv(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tupl
         _split_sum_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
             dest, bias if bias is not None else dest, out, n, dest.stride(0), dest.stride(1), out.stride(0),
             SPLITS=splits, HAS_BIAS=bias is not None, BLOCK=SUM_BLOCK, num_warps=4, **opts)
-    return out
+    return out, res_out
 
 
 def _check_operands(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | None,
-                    bias: torch.Tensor | None) -> None:
-    m, k = x.shape
+                    bias: torch.Tensor | None, k: int) -> None:
+    m = x.shape[0]
     n = w8.shape[0]
     assert m <= MAX_M, f"the FP8 skinny matmul serves M <= {MAX_M} rows, got {m}"
     assert w8.dtype == torch.float8_e4m3fn and w8.shape[1] == k, f"w8 {w8.dtype} {tuple(w8.shape)} vs K={k}"
