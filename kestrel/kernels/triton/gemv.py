@@ -129,7 +129,8 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False, element_size
     FP8 weights (element_size 1) on the broadcast path: the K step holds the bf16 step's bytes, twice its
     elements (a 1-byte weight moves half the bytes per element, so the same elements would halve the bytes in
     flight), on 8 warps so each thread still converts ~64 weights to float32: N=4096 K=14336 M=1 -> 16 x 1024
-    (14 unrolled steps), N=6144 K=4096 -> 16 x 1024 (4 steps). The tensor-core path (M > 4) and whole slices
+    (14 pipelined steps), N=6144 K=4096 -> 16 x 1024 (4 steps); FP8 loops are never unrolled (compile time,
+    below). The tensor-core path (M > 4) and whole slices
     keep the bf16 elements: registers (the padded x operand, the whole tile) bound them, not bytes. bf16
     (element_size 2) is the table above, unchanged.
     """
@@ -148,7 +149,10 @@ def table_config(m: int, n: int, k: int, whole_slice: bool = False, element_size
     tile_elements = TILE_ELEMENTS if use_dot else TILE_ELEMENTS * 2 // element_size
     block_k = _even_block_k(k, max(tile_elements // block_n, 128))
     steps = triton.cdiv(k, block_k)
-    unroll = steps <= MAX_UNROLL
+    # FP8 keeps the K loop rolled (software-pipelined): fully unrolled, its dequantizing steps took Triton 116 s to
+    # build for the 8B layers at M = 1, 2, 4, 8 (sm_90, Triton's ptxas, on the project's 2-core VM) against 26 s
+    # rolled, and a fresh server compiles every one of them before it is ready
+    unroll = steps <= MAX_UNROLL and element_size == 2
     return GemvConfig(block_n=block_n, block_k=block_k, use_dot=use_dot,
                       num_warps=4 if block_n * block_k <= TILE_ELEMENTS else 8,
                       num_stages=1 if unroll else 3, unroll=unroll)
