@@ -83,6 +83,7 @@ class SymmMemAllReduce:
             logger.info("custom all-reduce off: %d ranks (supported: %s); NCCL for every message",
                         world_size, SUPPORTED_WORLD_SIZES)
             return None
+        probe, why = None, ""
         try:
             import torch.distributed._symmetric_memory as symm_mem
             group_name = group.group_name
@@ -93,8 +94,13 @@ class SymmMemAllReduce:
             probe = cls(buffer, group_name, world_size)
             probe._check(group, device)
         except Exception as exc:   # noqa: BLE001 - any failure leaves NCCL in charge, said once in the log
-            logger.warning("custom all-reduce off (%s: %s); NCCL for every message",
-                           type(exc).__name__, str(exc).splitlines()[0] if str(exc) else "")
+            probe, why = None, f"{type(exc).__name__}: {str(exc).splitlines()[0] if str(exc) else ''}"
+        # every rank takes the same road or none does: one rank on NCCL and another on symmetric memory would wait
+        # on each other forever
+        everywhere = torch.tensor([int(probe is not None)], device=device)
+        dist.all_reduce(everywhere, op=dist.ReduceOp.MIN, group=group)
+        if not everywhere.item():
+            logger.warning("custom all-reduce off (%s); NCCL for every message", why or "another rank failed")
             return None
         logger.info("custom all-reduce on: symmetric memory, one-shot up to %d KB, two-shot up to %d KB",
                     ONE_SHOT_MAX_BYTES // 1024, max_bytes // 1024)
