@@ -22,11 +22,16 @@ pyt() { run "tests_$1" 30 $2 python3 -m pytest -q -p no:cacheprovider -rfE --tb=
 
 step_fp8_tests() { pyt fp8 100; }
 step_bf16() { bench bf16; }
+# base_bf16: the same bf16 bench from another commit's tree in .baseline/ (carry it; see BENCHMARKS.md's
+# before/after), for a before/after inside this call
+step_base_bf16() { [ -d .baseline/kestrel ] || { st "base_bf16"; echo "skipped: no .baseline/" | tee -a $O/steps.txt; return; }
+  (cd .baseline && PYTHONPATH=$PWD bench base_bf16); }
 step_fp8_block() { BENCH_MAX=140 bench fp8_block --fp8-checkpoint block; }
 step_fp8_gemv() { run fp8_gemv 20 50 python3 -m benchmarks.fp8_gemv_bench --no-sweep --out $O/fp8_gemv.json; }
 step_moe() { run moe 60 110 python3 -m benchmarks.moe_bench --shape qwen3-30b-a3b --out $O/moe_qwen3.json; }
 step_moe_tests() { pyt moe 80; }
 step_spec_tests() { pyt spec 60; }
+step_two_llms() { pyt two_llms 60; }
 step_drafter() { run drafter 30 50 python3 -m benchmarks.drafter_bench --target $PWD/models/kestrel-tiny \
   --drafter $PWD/models/kestrel-tiny-eagle3 --prompts 8 --device cuda --out $O/drafter_cur.json; }
 step_fp8_online() { bench fp8_online --quantization fp8; }
@@ -46,7 +51,7 @@ import json, sys, pathlib
 o = pathlib.Path(sys.argv[1])
 print("| 8B shape | bs1 tok/s | c128 tok/s | TTFT ms | load GB/s | startup s |")
 print("|---|---:|---:|---:|---:|---:|")
-for name in ("bf16", "fp8_block", "fp8_channel", "fp8_online"):
+for name in ("bf16", "base_bf16", "fp8_block", "fp8_channel", "fp8_online"):
     try:
         m = json.loads((o / f"{name}.json").read_text())["models"]["llama-3.1-8b"]
         (road, v), = m["kestrel"].items()
