@@ -158,4 +158,7 @@ def write_wordlevel_tokenizer(out: Path, vocab_size: int) -> None:
     tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", unk_token="t2")
+    # A plain template (each message's words in order), so the chat endpoint and the chat benchmarks (router_bench)
+    # run on these shapes too; random weights make any template's wording moot.
+    fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
     fast.save_pretrained(str(out))
