@@ -5,7 +5,7 @@ which `write_config_only` writes config.json and the tokenizer: Qwen3-30B-A3B's 
 write and read than the whole benchmark. The "-tiny" shapes are the same architectures small enough for the CPU
 (benchmarks/moe_bench.py --quick, its test).
 
-The tokenizer is a word-level one with exactly the model's vocabulary ("t0" .. "tN"), so every sampled id
+The tokenizer is a word-level one with exactly the model's vocabulary ("<s>", "</s>", "<unk>", then "t3" .. "tN"), so every sampled id
 detokenizes and the text path costs what it would with a real tokenizer of that size.
 """
 from __future__ import annotations
@@ -154,10 +154,13 @@ def write_wordlevel_tokenizer(out: Path, vocab_size: int) -> None:
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
-    vocab = {f"t{i}": i for i in range(vocab_size)}
-    tok = Tokenizer(models.WordLevel(vocab, unk_token="t2"))
+    # The special tokens get names no word contains: added tokens match anywhere in the text, so a bos named "t1"
+    # would split "t100992" into "t1" + an unknown "00992".
+    specials = ("<s>", "</s>", "<unk>")
+    vocab = {**{name: i for i, name in enumerate(specials)}, **{f"t{i}": i for i in range(len(specials), vocab_size)}}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="t0", eos_token="t1", unk_token="t2")
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
     # A plain template (each message's words in order), so the chat endpoint and the chat benchmarks (router_bench)
     # run on these shapes too; random weights make any template's wording moot.
     fast.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"

@@ -180,3 +180,12 @@ def test_chat_template_file_wins_over_the_config(tmp_path):
     path = _bpe_dir(tmp_path, chat_template="from config")
     (path / "chat_template.jinja").write_text("from file")
     assert load_tokenizer_dir(path).chat_template == "from file"
+
+
+def test_wordlevel_shape_tokenizer_round_trips_every_word(tmp_path):
+    """The random-weight shapes' tokenizer: every non-special id is one word that encodes back to itself, so a
+    benchmark's random prompts keep their tokens (a special named like a word's start would split "t100" in two)."""
+    tok = load_tokenizer_dir(_wordlevel_dir(tmp_path))
+    words = list(range(3, len(tok)))
+    assert tok.encode(tok.decode(words), add_special_tokens=False) == words
+    assert (tok.bos_token_id, tok.eos_token_id) == (0, 1)
