@@ -5,8 +5,8 @@ which `write_config_only` writes config.json and the tokenizer: Qwen3-30B-A3B's 
 write and read than the whole benchmark. The "-tiny" shapes are the same architectures small enough for the CPU
 (benchmarks/moe_bench.py --quick, its test).
 
-The tokenizer is a word-level one with exactly the model's vocabulary ("<s>", "</s>", "<unk>", then "t3" .. "tN"), so every sampled id
-detokenizes and the text path costs what it would with a real tokenizer of that size.
+The tokenizer is a word-level one with exactly the model's vocabulary ("<s>", "</s>", "<unk>", then "t3" .. "tN"),
+so every sampled id detokenizes and the text path costs what it would with a real tokenizer of that size.
 """
 from __future__ import annotations
 
