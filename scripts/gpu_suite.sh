@@ -18,7 +18,8 @@
 #                                STAGES=agree (after ttft): benchmarks/client_agreement.py, kestrel bench serve against
 #                                GuideLLM (its wheels carried in .whl-guidellm) on one kestrel serve of the first
 #                                MODELS shape, prefix cache off. STAGES=router (after agree): benchmarks/router_bench.py,
-#                                ROUTER_REPLICAS (2) replicas of the qwen3-0.6b shape sharing this GPU behind smg
+#                                ROUTER_REPLICAS (2) replicas of the ROUTER_SHAPE (qwen3-0.6b; another shape: dummy
+#                                weights) shape sharing this GPU behind smg, ROUTER_PREFIX_LEN (1024) system prompts
 #                                (carried as .whl-smg2: the stripped wheel as a .tar.xz, or .whl-smg: the wheel)
 #   COLD_VARIANTS="A|B"          STAGES=cold once per variant (a variant: extra kestrel serve flags, e.g.
 #                                "--compile-workers 0|--compile-workers 4"; default: one run, no extra flags)
@@ -204,15 +205,23 @@ if [[ $STAGES == *" agree "* ]]; then
 fi
 
 if [[ $STAGES == *" router "* ]]; then
-  # Cache-aware routing against round-robin: replicas of a small shape sharing this one GPU behind smg.
-  [ -f "$WORK/qwen3-0.6b/.complete" ] || in_tree cur 120 python3 -c \
-    "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('qwen3-0.6b', Path('$WORK/qwen3-0.6b'))"
-  n=${ROUTER_REPLICAS:-2}
-  step "router: $n replicas of the qwen3-0.6b shape on one GPU behind smg, round-robin vs cache-aware"
-  in_tree cur "$(within 300 0)" python3 -m benchmarks.router_bench --model "$WORK/qwen3-0.6b" --device cuda \
-    --replicas "$n" --num-groups 16 --prompts-per-group 8 --prefix-len 1024 --output-len 32 --concurrency 8 \
-    --log-dir "$RAW/router-logs" --out "$RAW/router_qwen3-0.6b.json" \
-    -- --gpu-memory-utilization "$(python3 -c "print(round(0.8 / $n, 2))")"
+  # Cache-aware routing against round-robin: replicas of one shape sharing this one GPU behind smg. A shape other
+  # than qwen3-0.6b is served with dummy weights (config only), so an 8B shape costs no checkpoint write.
+  shape=${ROUTER_SHAPE:-qwen3-0.6b}; n=${ROUTER_REPLICAS:-2}; load=()
+  if [ "$shape" = qwen3-0.6b ]; then
+    [ -f "$WORK/$shape/.complete" ] || in_tree cur 120 python3 -c \
+      "from benchmarks.shapes import write_random_checkpoint as w; from pathlib import Path; w('$shape', Path('$WORK/$shape'))"
+    dir=$WORK/$shape
+  else
+    dir=$WORK/$shape-config; load=(--load-format dummy)
+    in_tree cur 60 python3 -c \
+      "from benchmarks.shapes import write_config_only as w; from pathlib import Path; w('$shape', Path('$dir'))"
+  fi
+  step "router: $n replicas of the $shape shape on one GPU behind smg, round-robin vs cache-aware"
+  in_tree cur "$(within 300 0)" python3 -m benchmarks.router_bench --model "$dir" --device cuda \
+    --replicas "$n" --num-groups 16 --prompts-per-group 8 --prefix-len "${ROUTER_PREFIX_LEN:-1024}" --output-len 32 \
+    --concurrency 8 --log-dir "$RAW/router-logs" --out "$RAW/router_$shape.json" \
+    -- "${load[@]}" --gpu-memory-utilization "$(python3 -c "print(round(0.8 / $n, 2))")"
   say "router exit $?"
 fi
 
