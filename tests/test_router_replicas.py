@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import subprocess
 import sys
+from pathlib import Path
 import threading
 import time
 
@@ -94,6 +95,16 @@ def test_the_router_reads_each_replicas_model_and_load(replicas):
         own = httpx.get(url + "/v1/loads", timeout=10).json()["loads"][0]
         assert entry["max_total_num_tokens"] == own["max_total_num_tokens"] > 0
         assert entry["max_running_requests"] == own["max_running_requests"]
+
+
+def test_the_benchmark_finds_the_replicas_tokenizer_through_the_router(replicas):
+    """smg answers /v1/models itself (no `root`) but forwards /get_model_info: the bench's tokenizer path."""
+    from kestrel.bench.server_info import model_root, server_info
+    from kestrel.config import DEFAULT_MODEL_DIR
+
+    info = server_info(replicas.url)
+    assert not (info["models"]["data"][0].get("root"))
+    assert Path(model_root(info)).resolve() == DEFAULT_MODEL_DIR.resolve()
 
 
 class Traffic:

@@ -54,7 +54,7 @@ def _get_json(client: httpx.Client, url: str) -> Any:
 
 
 def server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
-    """/v1/models and /version as the server reports them (None where absent).
+    """/v1/models, /version and SGLang's /get_model_info as the server reports them (None where absent).
 
     Raises KestrelError, one line, when nothing answers at base_url: the first thing a user must know.
     """
@@ -70,7 +70,8 @@ def server_info(base_url: str, timeout_s: float = 10.0) -> dict[str, Any]:
         except httpx.HTTPError as exc:
             raise KestrelError(f"cannot reach {base}: {type(exc).__name__}: {exc}") from None
         return {"base_url": base, "models": _get_json(client, base + "/v1/models"),
-                "version": _get_json(client, base + "/version")}
+                "version": _get_json(client, base + "/version"),
+                "model_info": _get_json(client, base + "/get_model_info")}
 
 
 def first_model(info: dict[str, Any]) -> str | None:
@@ -79,9 +80,16 @@ def first_model(info: dict[str, Any]) -> str | None:
 
 
 def model_root(info: dict[str, Any]) -> str | None:
-    """The served model's `root` (vLLM: the checkpoint it loaded), where a tokenizer may be found."""
+    """Where the served model's tokenizer may be found: its `root` in /v1/models (vLLM: the checkpoint it loaded),
+    else /get_model_info's tokenizer_path or model_path (SGLang's schema; a router such as smg answers /v1/models
+    itself, without `root`, but forwards /get_model_info to a worker)."""
     card = _first_card(info)
-    return card.get("root") if card else None
+    if card and card.get("root"):
+        return card["root"]
+    model_info = info.get("model_info")
+    if isinstance(model_info, dict):
+        return model_info.get("tokenizer_path") or model_info.get("model_path")
+    return None
 
 
 def _first_card(info: dict[str, Any]) -> dict[str, Any] | None:
