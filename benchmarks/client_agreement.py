@@ -27,12 +27,20 @@ import time
 from pathlib import Path
 
 
+def run_client(cmd: list[str], timeout: float) -> None:
+    """Run one client; where it fails, stop with its own last words (its output is captured to keep the log short)."""
+    res = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout)
+    if res.returncode != 0:
+        tail = "\n".join((res.stderr or res.stdout).strip().splitlines()[-25:])
+        sys.exit(f"{shlex.join(cmd[:4])} ... exited {res.returncode}:\n{tail}")
+
+
 def kestrel_run(base_url: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
-    subprocess.run([sys.executable, "-m", "kestrel.cli", "bench", "serve", "--base-url", base_url,
-                    "--dataset-name", "random", "--random-input-len", str(args.input_len),
-                    "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
-                    "--max-concurrency", str(concurrency), "--seed", str(int(time.time())), "--no-progress",
-                    "--output", str(out)], check=True, capture_output=True, timeout=args.timeout)
+    run_client([sys.executable, "-m", "kestrel.cli", "bench", "serve", "--base-url", base_url,
+               "--dataset-name", "random", "--random-input-len", str(args.input_len),
+               "--random-output-len", str(args.output_len), "--num-prompts", str(args.num_prompts),
+               "--max-concurrency", str(concurrency), "--seed", str(int(time.time())), "--no-progress",
+               "--output", str(out)], args.timeout)
     s = json.loads(out.read_text())["runs"][0]["summary"]
     return {"ttft_p50_ms": s["ttft_ms"]["p50"], "tpot_mean_ms": s["tpot_ms"]["mean"],
             "output_tok_s": s["output_throughput"], "requests": s["completed"],
@@ -41,14 +49,13 @@ def kestrel_run(base_url: str, concurrency: int, args: argparse.Namespace, out: 
 
 def guidellm_run(base_url: str, model: str, concurrency: int, args: argparse.Namespace, out: Path) -> dict:
     profile = "kind=synchronous" if concurrency == 1 else f"kind=concurrent,streams={concurrency}"
-    subprocess.run([*shlex.split(args.guidellm), "run",
-                    "--backend", f"kind=openai_http,target={base_url},model={model},request_format=/v1/completions",
-                    "--profile", profile,
-                    "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
-                    "--constraint", f"kind=max_requests,count={args.num_prompts}",
-                    "--tokenizer", f"kind=huggingface_auto,model={args.tokenizer}",
-                    "--output", f"kind=json,path={out}", "--disable-console"],
-                   check=True, capture_output=True, timeout=args.timeout)
+    run_client([*shlex.split(args.guidellm), "run",
+               "--backend", f"kind=openai_http,target={base_url},model={model},request_format=/v1/completions",
+               "--profile", profile,
+               "--data", f"kind=synthetic_text,prompt_tokens={args.input_len},output_tokens={args.output_len}",
+               "--constraint", f"kind=max_requests,count={args.num_prompts}",
+               "--tokenizer", f"kind=huggingface_auto,model={args.tokenizer}",
+               "--output", f"kind=json,path={out}", "--disable-console"], args.timeout)
     m = json.loads(out.read_text())["benchmarks"][0]["metrics"]
     ok = lambda name: m[name]["successful"]   # noqa: E731 - successful requests' distribution of one metric
     return {"ttft_p50_ms": ok("time_to_first_token_ms")["median"], "tpot_mean_ms": ok("inter_token_latency_ms")["mean"],
