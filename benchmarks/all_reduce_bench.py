@@ -1,7 +1,7 @@
 """All-reduce latency per message size, NCCL against the symmetric-memory road (distributed/custom_all_reduce.py).
 
 One process per GPU (`--world-size N`, default every visible GPU), each joining the tensor-parallel group the way
-the engine does (distributed/group.py join_group: NCCL plus the symmetric-memory buffer, checked against NCCL at
+the engine does (ranks/group.py join_group: NCCL plus the symmetric-memory buffer, checked against NCCL at
 open). For each message size (bf16; default 8 KB .. 8 MiB) and road it times:
 
     graph   a CUDA graph of --graph-ops all-reduces, replayed --replays times: the median replay / ops (decode's
@@ -102,7 +102,7 @@ class Rank:
         import torch
         import torch.distributed as dist
 
-        from kestrel.distributed.group import Rendezvous, join_group, open_store
+        from kestrel.ranks.group import Rendezvous, join_group, open_store
 
         self.torch, self.dist = torch, dist
         self.rank, self.spec = rank, spec
@@ -447,7 +447,7 @@ def main(argv: list[str] | None = None) -> int:
     itemsize = getattr(torch, args.dtype).itemsize
     if any(s <= 0 or s % itemsize for s in sizes):
         ap.error(f"--sizes: every size must be a positive multiple of {itemsize} bytes ({args.dtype})")
-    from kestrel.distributed.group import free_port
+    from kestrel.ranks.group import free_port
 
     out = Path(args.out).resolve()
     out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,10 +4,10 @@
         [-- extra kestrel serve flags]
 
 Starts the server, waits for /health to answer 200, notes its process tree (the engine process and the N - 1
-`kestrel.distributed.worker` ranks), sends one short completion, then starts a long one and sends SIGTERM while
+`kestrel.ranks.worker` ranks), sends one short completion, then starts a long one and sends SIGTERM while
 it decodes (the hardest moment: every rank inside a step). Checks that the server exits within --exit-timeout
 seconds with status 0, that every process of its tree is gone within --reap-timeout, and that no
-`kestrel.distributed.worker` that was not there before is left anywhere (a pgrep over /proc). Whatever is left is
+`kestrel.ranks.worker` that was not there before is left anywhere (a pgrep over /proc). Whatever is left is
 killed afterwards (it is this check's own server's), so what runs next gets the GPUs back. Exits 0 when all holds.
 """
 from __future__ import annotations
@@ -24,7 +24,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-WORKER = "kestrel.distributed.worker"
+WORKER = "kestrel.ranks.worker"
 
 
 def process_table() -> dict[int, tuple[int, str, str]]:

@@ -138,7 +138,7 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
 
 def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk: int, output_len: int,
                lengths: tuple[float, ...]) -> list[dict]:
-    """bs1 with a tree of K steps x topk candidates (speculative/tree.py); the synthetic mode accepts along its
+    """bs1 with a tree of K steps x topk candidates (forward/draft_tree.py); the synthetic mode accepts along its
     chain, so at a given acceptance length this is the chain's speed minus the cost of verifying the larger tree."""
     engine = Engine(EngineConfig(speculative_config=dict(spec, topk=topk), **common))
     run_requests(engine, prompts[:1], 8)

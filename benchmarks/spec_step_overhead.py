@@ -96,7 +96,7 @@ class StepCounter(TorchDispatchMode):
 def install_graph_roads(llm: LLM, k: int) -> None:
     """On the CPU: the verify graphs' and drafter graphs' bodies, run eagerly (the GPU road's host side)."""
     from kestrel.forward.decode_graphs import DecodeGraphs
-    from kestrel.speculative.drafter_graphs import DrafterGraphs
+    from kestrel.forward.drafter_graphs import DrafterGraphs
 
     runner, spec = llm.engine.runner, llm.engine.spec
     if runner.verify_graphs is None:

@@ -1,4 +1,4 @@
-"""Where a cold start's seconds go, kernel by kernel: the engine's startup (kestrel/engine/startup.py build_runner)
+"""Where a cold start's seconds go, kernel by kernel: the engine's startup (kestrel/forward/startup.py build_runner)
 in this process with every compile cache empty, every Triton and NVRTC compile timed and charged to the startup
 phase it ran in.
 
@@ -83,7 +83,7 @@ def main() -> None:
 
     t0 = time.monotonic()
     from kestrel.config import EngineConfig
-    from kestrel.engine.startup import build_runner
+    from kestrel.forward.startup import build_runner
     from kestrel.progress import Progress
     import_s = time.monotonic() - t0
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kestrel.errors import KestrelError
-from kestrel.speculative.config import SpeculativeConfig, resolve_speculative
+from kestrel.speculative_config import SpeculativeConfig, resolve_speculative
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel-tiny"
 # The default model's EAGLE-3 drafter (trained by `kestrel train-eagle3`, MODEL_CARD.md beside it): speculation
@@ -42,7 +42,7 @@ class EngineConfig:
     attention_backend: str | None = None   # triton | flashinfer | torch; None picks the fastest available
     disable_prefix_cache: bool = False
     served_model_name: str | None = None
-    # Speculative decoding: vLLM's JSON or SGLang's flags (not both); see speculative/config.py
+    # Speculative decoding: vLLM's JSON or SGLang's flags (not both); see speculative_config.py
     speculative_config: str | dict | None = None        # vLLM: '{"method": "eagle3", "model": ..., ...}'
     speculative_algorithm: str | None = None            # SGLang: EAGLE3 | NGRAM
     speculative_draft_model_path: str | None = None

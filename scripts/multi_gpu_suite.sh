@@ -8,7 +8,7 @@
 #   benchmarks/engine_bench.py, Llama-3.1-8B shape (random weights), --graphs-only --skip-hf, at TP=1, 2, 4 (those
 #     the host has GPUs for), then the largest TP again with --disable-custom-all-reduce
 #   benchmarks/sigterm_check.py: kestrel serve at the largest TP, SIGTERM mid-request, exit within 30 s with status
-#     0, no process of its tree nor a kestrel.distributed.worker left
+#     0, no process of its tree nor a kestrel.ranks.worker left
 #   the table (benchmarks/multi_gpu_table.py), printed last
 #
 #   bash scripts/multi_gpu_suite.sh [--dry-run]      (--dry-run: the commands and their time limits, on any machine)
@@ -41,7 +41,7 @@ run() {
 # A rank a timed-out step left behind (ours: nothing else runs on this host) would hold its GPU: killed by pid, said.
 reap() {
   [ $DRY = 1 ] && return 0
-  local p; for p in $(pgrep -f "kestrel.distributed.worker|benchmarks.all_reduce_bench --rank"); do
+  local p; for p in $(pgrep -f "kestrel.ranks.worker|benchmarks.all_reduce_bench --rank"); do
     echo "left behind by $1: $(ps -o pid=,args= -p "$p" | cut -c1-120); killed" | tee -a "$LOG"; kill -9 "$p"; done
 }
 one_line() {   # one engine run's figures, from its report

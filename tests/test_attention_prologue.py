@@ -121,7 +121,7 @@ def test_kernel_with_no_tokens_returns_an_empty_q():
 @interpreted_only
 def test_triton_backend_handed_prewritten_kv_attends_like_the_unfused_layer():
     from kestrel.attention.triton_backend import TritonAttentionBackend
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     from kestrel.kernels.triton import fused_ops
     from kestrel.kernels.triton.attention_prologue import qk_norm_rope_store
     gen = torch.Generator().manual_seed(11)

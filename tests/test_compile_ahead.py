@@ -1,4 +1,4 @@
-"""Compile ahead (kestrel/engine/compile_ahead.py): the plan spreads the decode buckets over the workers, startup
+"""Compile ahead (kestrel/forward/compile_ahead.py): the plan spreads the decode buckets over the workers, startup
 starts none off CUDA, and a worker process builds the model's first layers and runs its job's steps (on CPU the
 steps run eagerly; on CUDA the same steps compile the kernels into the disk caches)."""
 from __future__ import annotations
@@ -11,7 +11,7 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import SINGLE
-from kestrel.engine.compile_ahead import Job, plan_jobs, start_compile_ahead
+from kestrel.forward.compile_ahead import Job, plan_jobs, start_compile_ahead
 from kestrel.forward.decode_graphs import batch_size_buckets
 from kestrel.models.checkpoint import load_model_config
 
@@ -41,13 +41,13 @@ def test_a_worker_process_runs_both_kinds_of_job(checkpoint_factory, tmp_path):
     for i, job in enumerate([Job(config, "cpu", 128, prefill=True), Job(config, "cpu", 128, buckets=[1, 4])]):
         spec = tmp_path / f"job{i}.pkl"
         spec.write_bytes(pickle.dumps(job))
-        done = subprocess.run([sys.executable, "-m", "kestrel.engine.compile_worker", str(spec)],
+        done = subprocess.run([sys.executable, "-m", "kestrel.forward.compile_worker", str(spec)],
                               capture_output=True, text=True, timeout=120)
         assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_dummy_weights_are_counted_from_the_model_built_on_meta(checkpoint_factory):
-    from kestrel.engine.compile_ahead import model_bytes
+    from kestrel.forward.compile_ahead import model_bytes
     path = checkpoint_factory("llama")
     cfg = load_model_config(path)
     on_disk = model_bytes(EngineConfig(model=str(path)), cfg, 4)          # the fixture is float32 safetensors

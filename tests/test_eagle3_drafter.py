@@ -14,7 +14,7 @@ from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
 from kestrel.attention.torch_ref import TorchAttentionBackend
 from kestrel.errors import KestrelError
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.models.eagle3_loader import load_eagle3_drafter, random_eagle3_checkpoint
 from kestrel.models.llama import LlamaForCausalLM

@@ -175,7 +175,7 @@ def test_activation_profile_batch_stays_within_the_models_positions(checkpoint_f
     sequence it put 8192 positions through the default model's 2048-row rotary table (an illegal memory access on
     the H200); it is now split into sequences of at most max_model_len, and a real forward accepts it."""
     from kestrel.config import EngineConfig
-    from kestrel.engine.startup import activation_profile_batch, build_runner
+    from kestrel.forward.startup import activation_profile_batch, build_runner
     from kestrel.progress import Progress
     batch, blocks = activation_profile_batch(tokens=600, max_model_len=256, block_size=16)
     assert batch.query_start_loc.tolist() == [0, 256, 512, 600]

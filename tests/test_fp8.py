@@ -22,7 +22,7 @@ from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
 from kestrel.distributed.comm import TPGroup
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import Fp8LinearMethod, Fp8Scheme
-from kestrel.layers.fp8_quant import FP8, dequantize, quantize_per_block, quantize_per_row, quantize_per_tensor
+from kestrel.kernels.fp8_quant import FP8, dequantize, quantize_per_block, quantize_per_row, quantize_per_tensor
 from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from kestrel.models.fp8_writer import write_fp8_checkpoint
 from kestrel.models.quantization import fp8_scheme
@@ -207,7 +207,7 @@ def test_loading_reports_fp8_bytes(fp8_checkpoints):
             super().begin(phase, total, unit)
 
     path = fp8_checkpoints("ct-tensor")
-    from kestrel.engine.startup import build_runner
+    from kestrel.forward.startup import build_runner
 
     build_runner(EngineConfig(model=str(path), device="cpu"), Recording())
     (total,) = [t for phase, t, unit in seen if phase == "loading_weights"]

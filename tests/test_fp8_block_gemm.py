@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.layers.fp8_quant import quantize_per_block
+from kestrel.kernels.fp8_quant import quantize_per_block
 from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
 from tests.triton_interpreter import interpreted_only as interpreted_only_marker
 

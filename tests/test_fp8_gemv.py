@@ -7,7 +7,7 @@ from dataclasses import replace
 import pytest
 import torch
 
-from kestrel.layers.fp8_quant import FP8, dequantize, quantize_per_block, quantize_per_row, quantize_per_tensor
+from kestrel.kernels.fp8_quant import FP8, dequantize, quantize_per_block, quantize_per_row, quantize_per_tensor
 from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
 from tests.triton_interpreter import interpreted_only as interpreted_only_marker
 

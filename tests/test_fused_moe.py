@@ -168,7 +168,7 @@ def test_model_built_with_the_kernel_as_its_moe_op_gives_the_reference_logits(tm
     from dataclasses import replace
 
     from kestrel.attention.torch_ref import TorchAttentionBackend
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     from kestrel.forward.runner import ModelRunner
     from kestrel.kernels.triton.fused_moe import fused_experts_triton
     from kestrel.layers.ops import TORCH_OPS

@@ -89,7 +89,7 @@ def check_verify_step(llm, graphs: DecodeGraphs, prompts: list[str], truth: list
     must be the next true token and the logits those of a plain forward of the same tokens."""
     import torch
 
-    from kestrel.forward.batch import SequenceChunk, build_forward_batch
+    from kestrel.batch import SequenceChunk, build_forward_batch
     engine, runner, q = llm.engine, llm.engine.runner, graphs.query_len
     params = SamplingParams(max_tokens=4, temperature=0, ignore_eos=True)
     seqs = []

@@ -1,6 +1,7 @@
-"""The shape of the package, as a test: the layers below the engine never import it, no module imports itself
-back through others, the environment is read in one registry (and the CLI), and only the registry knows model
-classes by name."""
+"""The shape of the package, as a test: every folder sits on a floor and imports only floors below it (the order a
+request travels, docs/architecture.md), no folder or module imports itself back through others, kernels import
+nothing of kestrel but the error type and the switch registry, the environment is read in one registry (and the
+CLI), and only the registry knows model classes by name."""
 from __future__ import annotations
 
 import ast
@@ -10,9 +11,34 @@ from pathlib import Path
 import kestrel
 
 ROOT = Path(kestrel.__file__).parent
-BELOW_THE_ENGINE = ("kestrel.attention", "kestrel.layers", "kestrel.models", "kestrel.kernels", "kestrel.cache")
-ABOVE = ("kestrel.engine", "kestrel.speculative", "kestrel.frontend", "kestrel.server", "kestrel.bench",
-         "kestrel.forward.runner", "kestrel.forward.decode_graphs", "kestrel.forward.prefill_graphs", "kestrel.llm")
+
+# The floors, top to bottom, in the order a request travels: a unit (a folder of kestrel/, or a module at its root)
+# imports only units on floors below its own; units sharing a floor do not import each other.
+FLOORS: list[set[str]] = [
+    {"cli"},                                                        # `kestrel ...`: picks a subcommand's module
+    {"server", "bench", "train", "generate_cli", "convert_cli", "quantize_cli"},   # the front doors
+    {"__init__"},                                                   # the package: LLM, SamplingParams
+    {"llm"},                                                        # the offline front door
+    {"frontend"},                                                   # the process boundary
+    {"engine"},                                                     # the step loop
+    {"ranks", "speculative", "cache"},                              # beside the step loop, below it
+    {"forward"},                                                    # building and running a runner
+    {"config"},
+    {"speculative_config"},
+    {"models"},
+    {"layers"},
+    {"distributed", "attention"},                                   # the collectives; attention backends
+    {"kernels"},
+    {"batch", "sampling_params", "progress"},                       # the vocabulary everyone speaks
+    {"envs", "errors"},
+]
+KERNELS_MAY_IMPORT = {"kestrel.envs", "kestrel.errors"}
+
+
+def _unit(module: str) -> str:
+    """kestrel.forward.runner -> forward; kestrel.config -> config; kestrel -> __init__."""
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
 
 
 def _modules() -> dict[str, set[str]]:
@@ -36,21 +62,74 @@ def _resolve(name: str, modules: dict[str, set[str]]) -> str | None:
     return name if name in modules else None
 
 
-def test_nothing_below_the_engine_imports_it():
-    upward = {name: sorted(i for i in imports if i.startswith(ABOVE))
-              for name, imports in _modules().items() if name.startswith(BELOW_THE_ENGINE)}
-    assert {name: bad for name, bad in upward.items() if bad} == {}
+def _unit_graph() -> dict[str, dict[str, list[str]]]:
+    """unit -> {unit it imports: the module-level imports that make the arrow}."""
+    graph: dict[str, dict[str, list[str]]] = {}
+    for name, imports in _modules().items():
+        for imported in imports:
+            a, b = _unit(name), _unit(imported)
+            if a != b:
+                graph.setdefault(a, {}).setdefault(b, []).append(f"{name} -> {imported}")
+    return graph
 
 
-def test_speculative_decoding_sits_beside_the_engine():
-    """speculative/ may use forward/, models/, layers/ and cache/, never the process boundary or the server; its
-    config module is parsed in the server process too, so it stays torch-free."""
-    modules = _modules()
-    outward = {name: sorted(i for i in imports if i.startswith(("kestrel.server", "kestrel.frontend", "kestrel.bench",
-                                                                 "kestrel.llm")))
-               for name, imports in modules.items() if name.startswith("kestrel.speculative")}
-    assert {name: bad for name, bad in outward.items() if bad} == {}
-    config_imports = ast.walk(ast.parse((ROOT / "speculative" / "config.py").read_text()))
+def test_every_folder_and_root_module_has_a_floor():
+    units = {p.name for p in ROOT.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    units |= {p.stem for p in ROOT.glob("*.py")}
+    placed = [u for floor in FLOORS for u in floor]
+    assert len(placed) == len(set(placed)), "a unit sits on two floors"
+    assert units == set(placed)
+
+
+def test_every_unit_imports_only_floors_below_it():
+    floor_of = {u: i for i, floor in enumerate(FLOORS) for u in floor}
+    upward = [arrow for a, targets in _unit_graph().items() for b, arrows in targets.items()
+              if floor_of[b] <= floor_of[a] for arrow in arrows]
+    assert upward == []
+
+
+def test_no_cycle_between_folders():
+    """Strongly connected units (Tarjan's algorithm, on the unit graph): each must be alone."""
+    graph = {a: set(targets) for a, targets in _unit_graph().items()}
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    knots: list[set[str]] = []
+
+    def connect(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                connect(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = set()
+            while True:
+                w = stack.pop()
+                component.add(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                knots.append(component)
+
+    for v in sorted(graph):
+        if v not in index:
+            connect(v)
+    assert knots == []
+
+
+def test_kernels_import_only_the_error_type_and_the_switch_registry():
+    outside = {name: sorted(i for i in imports if not i.startswith("kestrel.kernels") and i not in KERNELS_MAY_IMPORT)
+               for name, imports in _modules().items() if name.startswith("kestrel.kernels")}
+    assert {name: bad for name, bad in outside.items() if bad} == {}
+
+
+def test_the_speculative_config_is_torch_free():
+    """It is parsed in the server process too, before torch is imported."""
+    config_imports = ast.walk(ast.parse((ROOT / "speculative_config.py").read_text()))
     assert not any(isinstance(n, (ast.Import, ast.ImportFrom)) and "torch" in ast.unparse(n) for n in config_imports)
 
 
@@ -100,9 +179,8 @@ def test_only_the_registry_names_model_classes():
     assert offenders == []
 
 
-def test_the_collectives_the_layers_call_import_nothing_from_kestrel():
-    """layers/ builds its shards with distributed/comm.py; the rest of distributed/ sits above the engine."""
-    assert _modules()["kestrel.distributed.comm"] == set()
-    below = {name: sorted(i for i in imports if i.startswith("kestrel.distributed") and i != "kestrel.distributed.comm")
-             for name, imports in _modules().items() if name.startswith(BELOW_THE_ENGINE)}
-    assert {name: bad for name, bad in below.items() if bad} == {}
+def test_the_collectives_import_nothing_from_kestrel():
+    """distributed/ holds only what the sharded layers call; the rank processes live in ranks/."""
+    modules = _modules()
+    assert {name: sorted(imports) for name, imports in modules.items()
+            if name.startswith("kestrel.distributed") and imports - {n for n in modules if n.startswith("kestrel.distributed")}} == {}

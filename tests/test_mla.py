@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from kestrel.attention.mla import LatentAttention, rotate_interleaved, write_latent
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 
 HEADS, NOPE, ROPE, V, RANK, BLOCK = 4, 16, 8, 12, 24, 4
 

@@ -24,7 +24,7 @@ def test_mla_triton_decode_under_triton_interpreter():
 def decode_problem(kv_lens: list[int], heads: int, rank: int, rope: int, table_dtype: torch.dtype, seed: int):
     """A decode batch over a random latent cache (blocks shuffled, unwritten slots noise) and random weights. A
     kv_len of 0 is a padded row, built as the decode graphs build one: no blocks, table row -1."""
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     from tests.test_mla import shuffled_block_tables
 
     gen = torch.Generator().manual_seed(seed)
@@ -137,7 +137,7 @@ def test_deepseek_decode_steps_through_the_kernel_keep_the_torch_logits(tmp_path
     two sequences prefilled, then decode steps whose logits equal the torch road's on the same cache."""
     from kestrel import LLM
     from kestrel.attention.torch_ref import TorchAttentionBackend
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     from kestrel.kernels.triton import latent_decode
     from tests.test_moe_models import make_moe_checkpoint
 

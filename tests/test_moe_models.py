@@ -11,7 +11,7 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 from tests.conftest import make_tokenizer
 
 SYSTEM = "# A helper module.\nimport os\nimport sys\nimport json\n\n\ndef load(path):\n    with open(path) as f:\n"

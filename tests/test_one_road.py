@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch
 
 from kestrel import LLM, SamplingParams
-from kestrel.forward.batch import SequenceChunk
+from kestrel.batch import SequenceChunk
 from kestrel.forward.decode_graphs import DecodeGraphs
 from kestrel.forward.prefill_graphs import PrefillGraphs
 from kestrel.layers.linear import LinearBase, LinearMethod

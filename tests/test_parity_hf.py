@@ -6,7 +6,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from kestrel import LLM, SamplingParams
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n",

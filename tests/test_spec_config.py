@@ -11,7 +11,7 @@ import pytest
 
 from kestrel.config import EngineConfig, add_engine_args, config_from_args
 from kestrel.errors import KestrelError
-from kestrel.speculative.config import SpeculativeConfig
+from kestrel.speculative_config import SpeculativeConfig
 
 
 @pytest.fixture

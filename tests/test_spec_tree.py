@@ -1,4 +1,4 @@
-"""Tree drafting (speculative/tree.py): the drafter's top-k candidates at each chain step, verified in one step
+"""Tree drafting (forward/draft_tree.py): the drafter's top-k candidates at each chain step, verified in one step
 with a tree attention mask. On the default model (CPU, float32) greedy output stays token-identical to decoding
 without speculation (batched, alone, with the prefix cache, chunked prefill and preemption, and on the graph
 roads); a runner-up that is right is accepted and its K/V moved into place."""
@@ -9,7 +9,7 @@ import torch
 
 from kestrel import LLM
 from kestrel.speculative.proposer import Proposer
-from kestrel.speculative.tree import draft_tree
+from kestrel.forward.draft_tree import draft_tree
 from tests.test_speculative import (PROMPTS, K, check_identical, drafter_dir, greedy, mixed_params,  # noqa: F401
                                     reference, token_ids)
 
@@ -60,7 +60,7 @@ def test_tree_on_the_graph_roads_is_token_identical(drafter_dir, reference):
     """The GPU's roads on the CPU (bodies run eagerly): a tree verify runner of size + 1 query tokens with the
     tree's positions and mask, then the drafter's one-launch extend and top-k drafting."""
     from kestrel.forward.decode_graphs import DecodeGraphs
-    from kestrel.speculative.drafter_graphs import DrafterGraphs
+    from kestrel.forward.drafter_graphs import DrafterGraphs
 
     llm = LLM(device="cpu", speculative_config=tree_config(drafter_dir))
     runner, spec = llm.engine.runner, llm.engine.spec

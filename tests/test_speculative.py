@@ -221,11 +221,11 @@ def test_verify_graph_road_pads_every_row_to_k_drafts(method, drafter_dir, refer
 
 
 def test_drafter_graph_road_drafts_what_the_eager_drafter_drafts(drafter_dir, reference):
-    """The GPU's drafter road on the CPU (speculative/drafter_graphs.py, its body run eagerly): after every
+    """The GPU's drafter road on the CPU (forward/drafter_graphs.py, its body run eagerly): after every
     verify-graph step the drafter extends and drafts in one launch over padded rows. Output stays token-identical,
     and every draft equals the eager drafter's."""
     from kestrel.forward.decode_graphs import DecodeGraphs
-    from kestrel.speculative.drafter_graphs import DrafterGraphs
+    from kestrel.forward.drafter_graphs import DrafterGraphs
 
     drafted = []
     for graph_drafter in (False, True):
@@ -255,7 +255,7 @@ def on_graph_roads(llm: LLM) -> list[int]:
     """The GPU's verify and drafter roads on the CPU (bodies run eagerly); returns the list each greedy chain step
     that verified on the device appends its batch size to."""
     from kestrel.forward.decode_graphs import DecodeGraphs
-    from kestrel.speculative.drafter_graphs import DrafterGraphs
+    from kestrel.forward.drafter_graphs import DrafterGraphs
 
     runner, proposer = llm.engine.runner, llm.engine.spec.proposer
     runner.verify_graphs = DecodeGraphs(runner, max_bs=32, max_blocks_per_seq=128, max_rows=256, query_len=K + 1)

@@ -1,7 +1,7 @@
 """Tensor parallelism on the CPU (gloo, float32): N ranks compute what one rank computes.
 
 Each case builds the same model at TP=1 and TP=N through LLM(...), which starts the N - 1 worker processes: the
-prompt logits agree within 1e-5 and greedy generation gives identical tokens. The shapes cover an even split of
+prompt logits agree within 1e-5 of their largest magnitude and greedy generation gives identical tokens. The shapes cover an even split of
 the KV heads, KV heads replicated over ranks (fewer KV heads than ranks), a vocabulary that does not divide evenly
 (padded shards), tied embeddings, Qwen2's q/k/v biases and Qwen3's q/k norms; and the MoE models (Qwen3-MoE,
 Mixtral, GLM-4-MoE, DeepSeek-V3 with its latent attention) with every expert's width split over the ranks."""
@@ -13,6 +13,7 @@ import torch
 from kestrel import LLM, SamplingParams
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError
+from tests.tolerances import assert_close_relative
 
 PROMPTS = [
     "def add(a, b):\n    return a + b\n",
@@ -38,9 +39,9 @@ def run(model: str, tp: int, **kw) -> tuple[list[torch.Tensor], list[list[int]]]
 def assert_same(model: str, tp: int, **kw) -> None:
     ref_logits, ref_tokens = run(model, 1, **kw)
     logits, tokens = run(model, tp, **kw)
-    for ref, got in zip(ref_logits, logits):
-        assert got.shape == ref.shape
-        assert (got - ref).abs().max().item() < 1e-5
+    for i, (ref, got) in enumerate(zip(ref_logits, logits)):
+        # float32 sums split over ranks differ in the last bits: the bound scales with the logits (~12 here)
+        assert_close_relative(got, ref, 1e-5, f"prompt {i}")
     assert tokens == ref_tokens
 
 
@@ -161,11 +162,11 @@ def _worker_processes():
     import psutil
 
     return [p for p in psutil.Process().children(recursive=True)
-            if "kestrel.distributed.worker" in " ".join(p.cmdline())]
+            if "kestrel.ranks.worker" in " ".join(p.cmdline())]
 
 
 def test_a_killed_rank_fails_the_next_generate_with_its_name(checkpoint_factory):
-    from kestrel.distributed.driver import RankFailure
+    from kestrel.ranks.driver import RankFailure
 
     llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
     try:
@@ -181,7 +182,7 @@ def test_a_hung_rank_is_named_after_the_timeout_instead_of_hanging(checkpoint_fa
     import signal
     import time
 
-    from kestrel.distributed.driver import RankFailure
+    from kestrel.ranks.driver import RankFailure
 
     # the timeout covers joining too: long enough for a worker to import torch on a slow machine
     llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2, dist_timeout=15)

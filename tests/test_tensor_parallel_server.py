@@ -52,7 +52,7 @@ def stop(proc: subprocess.Popen, timeout_s: float = 30) -> str:
 
 def worker_pids(proc: subprocess.Popen) -> list[int]:
     return [p.pid for p in psutil.Process(proc.pid).children(recursive=True)
-            if "kestrel.distributed.worker" in " ".join(p.cmdline())]
+            if "kestrel.ranks.worker" in " ".join(p.cmdline())]
 
 
 def assert_serves(url: str, expected: list[str]) -> None:

@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 from kestrel.attention.torch_ref import TorchAttentionBackend, paged_attention
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 
 BLOCK = 4
 

@@ -12,7 +12,7 @@ from safetensors import safe_open
 
 from kestrel.attention.torch_ref import TorchAttentionBackend
 from kestrel.errors import KestrelError
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 from kestrel.models.eagle3_loader import REQUIRED_TENSORS, drafter_config_json, eagle3_config, load_eagle3_drafter
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.model_config import ModelConfig

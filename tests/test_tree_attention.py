@@ -99,7 +99,7 @@ def tree_problem(trees, prefix_lens, num_kv_heads, group, head_dim, block_size, 
 
 def tree_batch(trees, prefix_lens, tables, block_size):
     """A ForwardBatch for a tree step: consecutive cache slots, rotary positions start + depth, the tree's mask."""
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     batch = build_forward_batch([[1] * len(t) for t in trees], prefix_lens, tables, block_size)
     positions = torch.tensor([p + d for t, p in zip(trees, prefix_lens) for d in depths(t)], dtype=torch.int64)
     return dataclasses.replace(batch, positions=positions, tree_mask=tree_mask_of(trees))

@@ -224,7 +224,7 @@ def test_extend_reads_a_strided_query_view():
 def test_triton_backend_matches_torch_backend_on_extend_then_decode(with_graph_buffers):
     from kestrel.attention.torch_ref import TorchAttentionBackend
     from kestrel.attention.triton_backend import TritonAttentionBackend
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     gen = torch.Generator().manual_seed(4)
     block_size, num_kv_heads, head_dim, num_heads = 4, 2, 64, 8
     tables = [[5, 2, 7], [0, 3], [6, 1, 4]]

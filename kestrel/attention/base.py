@@ -39,7 +39,7 @@ from abc import ABC, abstractmethod
 
 import torch
 
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 
 
 class AttentionBackend(ABC):

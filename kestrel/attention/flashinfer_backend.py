@@ -12,7 +12,7 @@ import torch
 
 from kestrel.kernels.triton import paged_attention
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 from kestrel.errors import KestrelError
 
 WORKSPACE_BYTES = 128 * 1024 * 1024

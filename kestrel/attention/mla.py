@@ -31,7 +31,7 @@ masks take their usual paths; tests/test_mla.py holds the two forms equal.
 On CUDA with the triton backend the absorbed decode's MQA is its split-K decode kernel instead
 (AttentionBackend.latent_decode, kernels/triton/latent_decode.py): one launch, no host reads, so the decode CUDA
 graphs capture MLA models. The up-projected form stays torch and reads block ids on the host, which is why MLA
-models run prefill and verify steps eagerly (engine/startup.py).
+models run prefill and verify steps eagerly (forward/startup.py).
 """
 from __future__ import annotations
 
@@ -39,7 +39,7 @@ import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.attention.torch_ref import TorchAttentionBackend, paged_attention
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:

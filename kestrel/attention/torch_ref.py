@@ -4,25 +4,8 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch
-
-
-def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write each new token's K/V at its flat slot; slot -1 (padding) is skipped."""
-    keep = slot_mapping >= 0
-    slots = slot_mapping[keep]
-    k_cache.view(-1, *k_cache.shape[2:])[slots] = k[keep].to(k_cache.dtype)
-    v_cache.view(-1, *v_cache.shape[2:])[slots] = v[keep].to(v_cache.dtype)
-
-
-def store_kv_unpadded(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                      slot_mapping: torch.Tensor) -> None:
-    """store_kv for a slot_mapping with no padding: index_copy_ instead of boolean indexing, so no host sync and
-    the write can be captured in a CUDA graph or compiled (benchmarks/fused_ops_bench.py times it that way)."""
-    slots = slot_mapping.long()
-    k_cache.view(-1, *k_cache.shape[2:]).index_copy_(0, slots, k.to(k_cache.dtype))
-    v_cache.view(-1, *v_cache.shape[2:]).index_copy_(0, slots, v.to(v_cache.dtype))
+from kestrel.batch import ForwardBatch
+from kestrel.kernels.kv_store import store_kv, store_kv_unpadded  # noqa: F401 - the reference backend's write
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -> torch.Tensor:

@@ -6,7 +6,7 @@ import torch
 from kestrel.kernels.cuda import cluster_decode
 from kestrel.kernels.triton import latent_decode, paged_attention, paged_decode
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 
 
 class TritonAttentionBackend(AttentionBackend):

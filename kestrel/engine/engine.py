@@ -21,9 +21,9 @@ from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow,
 from kestrel.engine.request import Sequence, SeqStatus
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.speculation import SpeculativeDecoding
-from kestrel.engine.startup import build_runner
+from kestrel.forward.startup import build_runner
 from kestrel.errors import KestrelError
-from kestrel.forward.batch import SequenceChunk, build_forward_batch, previous_token
+from kestrel.batch import SequenceChunk, build_forward_batch, previous_token
 from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
@@ -40,7 +40,7 @@ class Engine:
         self.config = config
         self.progress = progress or Progress()
         if config.tensor_parallel_size > 1:
-            from kestrel.distributed.driver import DriverRunner, Ranks
+            from kestrel.ranks.driver import DriverRunner, Ranks
 
             ranks = Ranks(config, self.progress, on_rank_failure)
             try:

@@ -28,13 +28,14 @@ import torch
 from kestrel.engine.messages import SampleUpdate, TokenLogprob
 from kestrel.engine.request import Sequence
 from kestrel.engine.scheduler import ScheduledSeq
-from kestrel.forward.batch import ForwardOutput, SequenceChunk
+from kestrel.batch import ForwardOutput, SequenceChunk
 from kestrel.forward.sampler import make_sampling_batch, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
-from kestrel.speculative.config import SpeculativeConfig
+from kestrel.speculative_config import SpeculativeConfig
 from kestrel.speculative.ngram import NgramProposer
-from kestrel.speculative.proposer import ComputedRows, Proposer
-from kestrel.speculative.tree import draft_tree
+from kestrel.batch import ComputedRows
+from kestrel.speculative.proposer import Proposer
+from kestrel.forward.draft_tree import draft_tree
 from kestrel.speculative.verify import verify_chain, verify_tree
 
 logger = logging.getLogger("kestrel.speculative")
@@ -321,7 +322,7 @@ class SpeculativeDecoding:
         self.engine.scheduler.grow(seq, min(seq.num_tokens + 2 * self.max_depth, limit))
 
     def _tree_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
-        """Each sequence's tree verify chunk [last token, the tree's nodes in BFS order] (speculative/tree.py), and
+        """Each sequence's tree verify chunk [last token, the tree's nodes in BFS order] (forward/draft_tree.py), and
         its node tokens ([] for a sequence that does not draft: its nodes are padding, never accepted)."""
         eng, tree = self.engine, self.tree
         drafts = []

@@ -27,7 +27,7 @@ gather, the input tokens and their embeddings: kestrel/kernels/triton/step_input
 `prev_tokens` is never copied from the host: the graph writes its argmax there, and the next step's tokens gather
 their value through `input_src`, an index into the packed buffer that points either at the token's own
 `input_ids` entry (a token the host knows) or at a `prev_tokens` entry (a token the previous step is still
-producing: a chunk's query token previous_token(i), forward/batch.py). That lets the engine launch step N+1
+producing: a chunk's query token previous_token(i), batch.py). That lets the engine launch step N+1
 before it has read step N's tokens (the overlap schedule), for any Q.
 """
 from __future__ import annotations
@@ -41,7 +41,7 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.envs import switches
-from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
+from kestrel.batch import ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.progress import Progress
 
 logger = logging.getLogger("kestrel.decode_graphs")
@@ -102,7 +102,7 @@ class DecodeGraphs:
         self.runner = runner
         self.max_bs = max_bs
         self.query_len = q = query_len
-        # A tree verify runner (speculative/tree.py): one fixed tree for every sequence, as (each query token's
+        # A tree verify runner (forward/draft_tree.py): one fixed tree for every sequence, as (each query token's
         # depth: its rotary position is start + depth, its cache index start + i; the [Q, Q] attention mask).
         self.depths = list(range(q)) if tree is None else list(tree[0])
         self.tree_mask = None if tree is None else \

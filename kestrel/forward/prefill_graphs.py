@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
+from kestrel.batch import ForwardBatch, ForwardOutput, SequenceChunk
 
 logger = logging.getLogger("kestrel.prefill_graphs")
 

@@ -28,7 +28,7 @@ from torch import nn
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
-from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk, chunks_to_batch
+from kestrel.batch import ForwardBatch, ForwardOutput, SequenceChunk, chunks_to_batch
 from kestrel.layers.linear import kv_heads_per_rank
 from kestrel.models.model_config import ModelConfig
 
@@ -83,10 +83,10 @@ class ModelRunner:
 
     def share_sampled_tokens(self, tokens: torch.Tensor) -> None:
         """The engine drew a launched decode step's tokens itself (sampled rows of the overlap schedule): with
-        several ranks they go to every rank (distributed/driver.py); with one there is nothing to do."""
+        several ranks they go to every rank (ranks/driver.py); with one there is nothing to do."""
 
     def close(self) -> None:
-        """Stop whatever the runner started besides its own memory (other ranks: distributed/driver.py)."""
+        """Stop whatever the runner started besides its own memory (other ranks: ranks/driver.py)."""
 
     def decodes_in_graph(self, num_seqs: int) -> bool:
         """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""

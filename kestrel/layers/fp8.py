@@ -1,7 +1,7 @@
 """Fp8LinearMethod: linear layers whose weights stay FP8 (E4M3) in memory, with float32 scales.
 
 The method owns the layer's weights (`create_weights`): `weight` [out, in] float8_e4m3fn and one scale tensor in
-one of two layouts (W ≈ weight.float() * scale, kestrel/layers/fp8_quant.py):
+one of two layouts (W ≈ weight.float() * scale, kestrel/kernels/fp8_quant.py):
 
     row    [out, 1]                          per-channel checkpoints as they are; a per-tensor checkpoint's scalar
                                              is written into the rows of its tensor. A merged layer (q|k|v,
@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.errors import ModelLoadError
-from kestrel.layers.fp8_quant import (FP8, dequantize, quantize_activations_per_token, quantize_per_row,
+from kestrel.kernels.fp8_quant import (FP8, dequantize, quantize_activations_per_token, quantize_per_row,
                                       quantize_per_tensor)
 from kestrel.layers.ops import LayerOps
 from kestrel.layers.linear import (PLAIN, LinearBase, LinearMethod, Norm, Placement, _copy_checked, place_slice,

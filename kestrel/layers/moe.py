@@ -47,17 +47,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from kestrel.distributed.comm import SINGLE, TPGroup
+from kestrel.kernels.routing import Routing
 from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
 
 # (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H]
 ExpertsImpl = Callable[..., torch.Tensor]
-
-
-@dataclass(frozen=True, slots=True)
-class Routing:
-    """Which k experts each token goes to and with what weight."""
-    topk_ids: torch.Tensor       # [T, k] int64 expert ids
-    topk_weights: torch.Tensor   # [T, k] float32
 
 
 def softmax_topk(logits: torch.Tensor, k: int, renormalize: bool) -> Routing:

@@ -36,7 +36,7 @@ from torch import nn
 from kestrel.attention.base import AttentionBackend
 from kestrel.attention.mla import LatentAttention, rotate_interleaved, write_latent
 from kestrel.distributed.comm import SINGLE, TPGroup
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear
 from kestrel.layers.moe import Router, Routing, expert_weight_names, grouped_sigmoid_topk
 from kestrel.layers.norm import RMSNorm

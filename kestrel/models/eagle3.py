@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
 from kestrel.layers.norm import RMSNorm

@@ -24,7 +24,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from kestrel.errors import KestrelError
-from kestrel.layers.fp8_quant import quantize_per_block, quantize_per_row, quantize_per_tensor
+from kestrel.kernels.fp8_quant import quantize_per_block, quantize_per_row, quantize_per_tensor
 from kestrel.models.loader import checkpoint_files
 
 FORMATS = ("hf", "compressed-tensors")

@@ -14,7 +14,7 @@ from torch import nn
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 from kestrel.layers.embedding import LMHead, VocabEmbedding
 from kestrel.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RopeInputs, RowParallelLinear
 from kestrel.layers.norm import RMSNorm

@@ -28,7 +28,7 @@ from torch import nn
 from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
-from kestrel.forward.batch import ForwardBatch
+from kestrel.batch import ForwardBatch
 from kestrel.layers.moe import Router, Routing, SparseMoE, check_moe_tp_shape, expert_weight_names
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps

@@ -56,7 +56,7 @@ def run(args: argparse.Namespace) -> int:
     engine_config = config_from_args(args)
     check_before_serving(engine_config)   # a bad path or config ends here, before anything listens
     if engine_config.node_rank > 0:   # tensor parallelism over nodes: this node only runs its ranks
-        from kestrel.distributed.node import serve_node
+        from kestrel.ranks.node import serve_node
         return serve_node(engine_config)
     server_config = ServerConfig(api_key=args.api_key or os.environ.get("KESTREL_API_KEY") or None,
                                  max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None,

@@ -4,7 +4,7 @@ The port opens while the engine loads (so /health can report the phases), which 
 engine comes after uvicorn has started. The common first-contact mistakes — a wrong path, a directory that is not
 a checkpoint, a config.json Kestrel cannot read, a --max-model-len beyond the model's — are caught here instead,
 in the CLI process and without torch, so they end in one `error:` line and a non-zero exit before anything
-listens. The engine repeats these checks (engine/startup.py) for `LLM(...)` and for anything that slips past.
+listens. The engine repeats these checks (forward/startup.py) for `LLM(...)` and for anything that slips past.
 """
 from __future__ import annotations
 

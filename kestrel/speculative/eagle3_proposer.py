@@ -19,9 +19,10 @@ from __future__ import annotations
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardOutput, SequenceChunk, build_forward_batch
-from kestrel.speculative.drafter_graphs import DrafterGraphs, top_candidates
-from kestrel.speculative.proposer import ComputedRows, DraftSource, Proposer
+from kestrel.batch import ForwardOutput, SequenceChunk, build_forward_batch
+from kestrel.forward.drafter_graphs import DrafterGraphs, top_candidates
+from kestrel.batch import ComputedRows
+from kestrel.speculative.proposer import DraftSource, Proposer
 
 
 class Eagle3Proposer(Proposer):
@@ -34,7 +35,7 @@ class Eagle3Proposer(Proposer):
         self.kv = (kv_cache[0], kv_cache[1])   # [2, num_blocks, block_size, kv_heads, head_dim]
         self.block_size = block_size
         self.device = device
-        self.topk = topk         # candidates kept per drafting step (a tree: speculative/tree.py)
+        self.topk = topk         # candidates kept per drafting step (a tree: forward/draft_tree.py)
         # seq_id -> (num_tokens they follow, each drafting step's top-k tokens, the chain's first)
         self.pending: dict[int, tuple[int, list[list[int]]]] = {}
 

@@ -7,10 +7,9 @@ tells the proposer what every target step computed, so a model-based drafter can
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from dataclasses import dataclass
 from typing import Protocol
 
-from kestrel.forward.batch import ForwardOutput, SequenceChunk
+from kestrel.batch import ComputedRows, ForwardOutput, SequenceChunk
 
 
 class DraftSource(Protocol):
@@ -21,28 +20,6 @@ class DraftSource(Protocol):
     def num_tokens(self) -> int: ...
 
     def token_ids(self) -> list[int]: ...
-
-
-@dataclass(slots=True)
-class ComputedRows:
-    """One sequence's part of a finished target step: positions start .. start + count - 1 were computed (their
-    K/V are in the cache), and `next_tokens[i]` is the token that now follows position start + i. The step's
-    hidden-state rows for them are hidden_offset .. hidden_offset + count - 1."""
-    seq_id: int
-    start: int
-    count: int
-    next_tokens: list[int]
-    block_ids: list[int]
-    hidden_offset: int
-    draft: int   # drafts to propose for the sequence's next verify step (0: none; its blocks cover them)
-    hidden_rows: list[int] | None = None   # the step's hidden-state row of each position when they are not
-                                           # consecutive from hidden_offset (a tree's accepted path)
-
-    def rows(self) -> list[int]:
-        """The step's hidden-state row of each computed position."""
-        if self.hidden_rows is not None:
-            return self.hidden_rows
-        return list(range(self.hidden_offset, self.hidden_offset + self.count))
 
 
 class Proposer(ABC):

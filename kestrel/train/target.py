@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kestrel.forward.batch import build_forward_batch
+from kestrel.batch import build_forward_batch
 from kestrel.forward.runner import kv_layout
 from kestrel.llm import LLM
 from kestrel.sampling_params import SamplingParams

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kestrel.layers.fp8_quant import quantize_per_block, quantize_per_row
+from kestrel.kernels.fp8_quant import quantize_per_block, quantize_per_row
 from tests.gpu.engine_tokens import greedy_tokens
 from tests.gpu.timing import time_us
 
@@ -163,7 +163,7 @@ def test_fp8_block_gemm_matches_reference(layer, m):
 
 def test_fp8_block_gemm_replays_in_a_cuda_graph_and_beats_dequantizing(capsys):
     from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
-    from kestrel.layers.fp8_quant import dequantize
+    from kestrel.kernels.fp8_quant import dequantize
 
     k, n = LAYERS["8b.down"]
     x, w8, scale = operands(k, n, 128, (128, 128))

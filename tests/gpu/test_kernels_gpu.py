@@ -109,7 +109,7 @@ def test_decode_captured_in_a_cuda_graph_replays_new_lengths_and_tables():
 # ------------------------------------------------------------------------------------------------ backends
 
 def _backend_steps(block_size: int):
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
     tables = [list(range(s * 40, s * 40 + 40)) for s in range(4)]     # 4 sequences, 40 blocks each
     prompt_lens = [300, 17, 129, 64]
     prefill = build_forward_batch([[1] * n for n in prompt_lens], [0] * 4, tables, block_size)

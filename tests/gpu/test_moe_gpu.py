@@ -230,7 +230,7 @@ def test_mla_absorbed_decode_on_cuda_matches_the_definition(decode_rows, heads, 
     split-K kernel over the 576-wide latent (kernels/triton/latent_decode.py, compiled: BLOCK_D 1024)."""
     from kestrel.attention.mla import LatentAttention, write_latent
     from kestrel.attention.triton_backend import TritonAttentionBackend
-    from kestrel.forward.batch import build_forward_batch
+    from kestrel.batch import build_forward_batch
 
     nope, rope, v_dim, rank, block = 128, 64, 128, 512, 16
     g = torch.Generator(device="cuda").manual_seed(decode_rows)

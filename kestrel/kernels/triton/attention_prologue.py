@@ -38,7 +38,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kestrel.attention import torch_ref
+from kestrel.kernels import kv_store
 from kestrel.kernels.triton.fused_ops import HF_ROUNDING, apply_rotary_ref, rms_norm_ref
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
@@ -47,9 +47,9 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
                            eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           store_kv: Callable[..., None] = torch_ref.store_kv) -> torch.Tensor:
+                           store_kv: Callable[..., None] = kv_store.store_kv) -> torch.Tensor:
     """Torch twin of qk_norm_rope_store, composed of the existing references; returns q [T, Hq, D].
-    store_kv=torch_ref.store_kv_unpadded makes it capturable where no slot is padding."""
+    store_kv=kv_store.store_kv_unpadded makes it capturable where no slot is padding."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
     q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
     q = q.reshape(-1, num_heads, head_dim)

@@ -51,7 +51,7 @@ import triton.language as tl
 from kestrel.kernels.triton.gemv import (PROLOGUE_NONE, PROLOGUE_RMS, PROLOGUE_SILU, _activation, _row_rstd,
                                          add_rms_norm_gemv_ref, silu_mul_gemv_ref)
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
-from kestrel.layers.fp8_quant import dequantize
+from kestrel.kernels.fp8_quant import dequantize
 
 MAX_M = 16
 BROADCAST_MAX_M = 4      # above this the CUDA-core FMAs (M per weight byte) rival the load time: tensor cores

@@ -27,7 +27,7 @@ import triton
 import triton.language as tl
 
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
-from kestrel.layers.moe import Routing
+from kestrel.kernels.routing import Routing
 
 
 @triton.jit

@@ -1,6 +1,6 @@
-"""A rank > 0: `python -m kestrel.distributed.worker`, its WorkerSpec on stdin (distributed/workers.py).
+"""A rank > 0: `python -m kestrel.ranks.worker`, its WorkerSpec on stdin (ranks/workers.py).
 
-It joins the groups, builds the same runner as rank 0 through the same startup (engine/startup.py: its shard of
+It joins the groups, builds the same runner as rank 0 through the same startup (forward/startup.py: its shard of
 the weights, the KV cache of its KV heads, the same graphs in the same order, the same warm-up), then runs each
 step rank 0 sends, in rank 0's order:
 
@@ -18,7 +18,7 @@ import sys
 import threading
 
 from kestrel.distributed.comm import TPGroup
-from kestrel.distributed.workers import WorkerSpec
+from kestrel.ranks.workers import WorkerSpec
 
 logger = logging.getLogger("kestrel.distributed")
 
@@ -52,8 +52,8 @@ def main() -> None:
     threading.Thread(target=_exit_at_eof, name="kestrel-parent-watch", daemon=True).start()
     logging.basicConfig(level=spec.log_level, stream=sys.stderr,
                         format=f"%(asctime)s %(levelname)s %(name)s[rank {spec.rank}]: %(message)s")
-    from kestrel.distributed.group import join_group, open_store
-    from kestrel.engine.startup import build_runner, resolve_device
+    from kestrel.ranks.group import join_group, open_store
+    from kestrel.forward.startup import build_runner, resolve_device
     from kestrel.envs import omp_threads_set
     from kestrel.progress import Progress
 

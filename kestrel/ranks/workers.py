@@ -1,6 +1,6 @@
 """This node's worker processes (ranks > 0), started and watched.
 
-A worker is `python -m kestrel.distributed.worker`, its WorkerSpec pickled on its stdin. stdin stays open: the
+A worker is `python -m kestrel.ranks.worker`, its WorkerSpec pickled on its stdin. stdin stays open: the
 worker exits when it reaches EOF, so workers never outlive the process that started them (a killed server, a
 crashed engine process, a test that forgot to shut down).
 
@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.group import FAILED_KEY, Rendezvous
+from kestrel.ranks.group import FAILED_KEY, Rendezvous
 from kestrel.envs import child_environment
 
 logger = logging.getLogger("kestrel.distributed")
@@ -42,7 +42,7 @@ class WorkerSpec:
 def start_workers(config: EngineConfig, rdv: Rendezvous, ranks: range) -> dict[int, subprocess.Popen]:
     procs = {}
     for rank in ranks:
-        proc = subprocess.Popen([sys.executable, "-m", "kestrel.distributed.worker"], stdin=subprocess.PIPE,
+        proc = subprocess.Popen([sys.executable, "-m", "kestrel.ranks.worker"], stdin=subprocess.PIPE,
                                 env=child_environment(NCCL_NVLS_ENABLE="0"))
         spec = WorkerSpec(config, rdv, rank, logging.getLogger("kestrel").getEffectiveLevel())
         proc.stdin.write(pickle.dumps(spec))
@@ -73,7 +73,7 @@ class RankWatch:
     """Watches the ranks from a thread and calls on_failure(message) once, for the first rank found dead or hung.
 
     busy_since() is when the step now running began (None: idle); store: rank 0's store, read for other nodes'
-    failures (None on the other nodes, which write to it instead: distributed/node.py)."""
+    failures (None on the other nodes, which write to it instead: ranks/node.py)."""
 
     def __init__(self, procs: dict[int, subprocess.Popen], on_failure: Callable[[str], None], store=None,
                  busy_since: Callable[[], float | None] = lambda: None, step_timeout_s: float = 300.0,

@@ -31,7 +31,7 @@ class SequenceChunk:
     generation: int = 0        # the sequence's preemption count: its blocks were replaced when it changes
     wants_logits: bool = True  # the last token's logits (a prompt chunk that does not finish its prompt: no)
     all_logits: bool = False   # logits at every query token (a speculative verify step: the last token + drafts)
-    # A tree verify step (speculative/tree.py): query token i sits at cache index start + i but rotary position
+    # A tree verify step (forward/draft_tree.py): query token i sits at cache index start + i but rotary position
     # start + depths[i], and sees the keys tree_mask[i] allows among the step's tokens (attention/base.py)
     depths: list[int] | None = None
     tree_mask: torch.Tensor | None = None   # [len(tokens), len(tokens)] bool
@@ -167,3 +167,25 @@ def build_forward_batch(
         max_kv_len=max(kv_lens),
         capture_hidden_layers=capture_hidden_layers,
     )
+
+
+@dataclass(slots=True)
+class ComputedRows:
+    """One sequence's part of a finished target step: positions start .. start + count - 1 were computed (their
+    K/V are in the cache), and `next_tokens[i]` is the token that now follows position start + i. The step's
+    hidden-state rows for them are hidden_offset .. hidden_offset + count - 1."""
+    seq_id: int
+    start: int
+    count: int
+    next_tokens: list[int]
+    block_ids: list[int]
+    hidden_offset: int
+    draft: int   # drafts to propose for the sequence's next verify step (0: none; its blocks cover them)
+    hidden_rows: list[int] | None = None   # the step's hidden-state row of each position when they are not
+                                           # consecutive from hidden_offset (a tree's accepted path)
+
+    def rows(self) -> list[int]:
+        """The step's hidden-state row of each computed position."""
+        if self.hidden_rows is not None:
+            return self.hidden_rows
+        return list(range(self.hidden_offset, self.hidden_offset + self.count))

@@ -40,10 +40,9 @@ import logging
 import torch
 
 from kestrel.attention.base import AttentionBackend
-from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
+from kestrel.batch import ComputedRows, ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.forward.decode_graphs import DecodeGraphs, pack_fields, try_capture
 from kestrel.progress import Progress
-from kestrel.speculative.proposer import ComputedRows
 
 logger = logging.getLogger("kestrel.speculative")
 

@@ -19,10 +19,10 @@ import torch
 
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import TPGroup
-from kestrel.distributed.group import join_group, leave_group, open_store, rendezvous_of
-from kestrel.distributed.workers import RankWatch, start_workers, stop_workers
+from kestrel.ranks.group import join_group, leave_group, open_store, rendezvous_of
+from kestrel.ranks.workers import RankWatch, start_workers, stop_workers
 from kestrel.errors import KestrelError
-from kestrel.forward.batch import ForwardBatch, ForwardOutput, SequenceChunk
+from kestrel.batch import ForwardBatch, ForwardOutput, SequenceChunk
 from kestrel.forward.runner import ModelRunner
 from kestrel.layers.linear import check_tp_shape
 from kestrel.layers.moe import check_moe_tp_shape
@@ -95,7 +95,7 @@ def why_unsplittable(cfg: ModelConfig, n: int) -> str | None:
 
 
 def _device_type(config: EngineConfig) -> str:
-    from kestrel.engine.startup import resolve_device
+    from kestrel.forward.startup import resolve_device
 
     return resolve_device(config.device).type
 

@@ -148,7 +148,7 @@ def start_compile_ahead(config: EngineConfig, cfg: ModelConfig, device: torch.de
         spec, log = folder / f"job{i}.pkl", folder / f"worker{i}.log"
         spec.write_bytes(pickle.dumps(job))
         with open(log, "wb") as out:
-            process = subprocess.Popen([sys.executable, "-m", "kestrel.engine.compile_worker", str(spec)],
+            process = subprocess.Popen([sys.executable, "-m", "kestrel.forward.compile_worker", str(spec)],
                                        stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL)
         started.append(Worker(job, process, log, time.monotonic()))
     logger.info("compiling kernels ahead in %d worker processes while the model loads", len(started))

@@ -3,7 +3,7 @@
 Each phase reports through Progress, so /health and the log always say what is happening.
 
 With tensor parallelism every rank runs this same function on its own process (rank 0 inside the Engine, the
-others in distributed/worker.py), with its TPGroup: each builds and loads its shard, and every forward here
+others in ranks/worker.py), with its TPGroup: each builds and loads its shard, and every forward here
 (activation profiling, kernel compilation, graph capture, warm-up) meets the other ranks' in the same order.
 Where a rank decides something alone (how many KV blocks fit, whether a graph family captured), the ranks agree
 on the smallest answer, so they keep taking the same roads.
@@ -21,8 +21,8 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.config import EngineConfig
 from kestrel.distributed.comm import SINGLE, TPGroup
-from kestrel.engine.compile_ahead import start_compile_ahead
-from kestrel.forward.batch import ForwardBatch, build_forward_batch
+from kestrel.forward.compile_ahead import start_compile_ahead
+from kestrel.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
@@ -51,7 +51,7 @@ class RunnerSetup:
     max_model_len: int
     drafter: torch.nn.Module | None = None      # the EAGLE-3 drafter (speculative decoding), on the device
     drafter_kv: torch.Tensor | None = None      # its one-layer KV cache, in the target's blocks
-    drafter_graphs: object | None = None        # DrafterGraphs (speculative/drafter_graphs.py), when captured
+    drafter_graphs: object | None = None        # DrafterGraphs (forward/drafter_graphs.py), when captured
 
 
 def resolve_device(name: str) -> torch.device:
@@ -164,12 +164,12 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
             from kestrel.forward.decode_graphs import capture_verify_graphs
             tree = None
             if spec.is_tree:
-                from kestrel.speculative.tree import draft_tree
+                from kestrel.forward.draft_tree import draft_tree
                 shape = draft_tree(spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes)
                 tree = (shape.depths, shape.mask())
             capture_verify_graphs(runner, config, max_model_len, spec.num_draft_nodes + 1, progress, tree)
             if drafter is not None and runner.verify_graphs is not None:
-                from kestrel.speculative.drafter_graphs import capture_drafter_graphs
+                from kestrel.forward.drafter_graphs import capture_drafter_graphs
                 drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
                                                         spec.num_speculative_tokens, spec.topk, progress)
 

@@ -1,4 +1,4 @@
-"""A compile worker (engine/compile_ahead.py): `python -m kestrel.engine.compile_worker JOB.pkl` builds the model's
+"""A compile worker (forward/compile_ahead.py): `python -m kestrel.forward.compile_worker JOB.pkl` builds the model's
 first layers with the engine's own startup code and runs the job's steps, which compile its kernels into the on-disk
 caches (on the CPU, which compiles nothing, the same steps run eagerly: the tests)."""
 from __future__ import annotations
@@ -11,8 +11,8 @@ from pathlib import Path
 
 import torch
 
-from kestrel.engine.compile_ahead import WORKER_LAYERS, Job
-from kestrel.engine.startup import build_model, profile_activation_peak, resolve_dtype, warm_up
+from kestrel.forward.compile_ahead import WORKER_LAYERS, Job
+from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, warm_up
 from kestrel.forward.decode_graphs import DecodeGraphs
 from kestrel.forward.prefill_graphs import PrefillGraphs
 from kestrel.forward.runner import ModelRunner

@@ -11,8 +11,8 @@ import signal
 import threading
 
 from kestrel.config import EngineConfig
-from kestrel.distributed.group import FAILED_KEY, open_store, rendezvous_of
-from kestrel.distributed.workers import RankWatch, start_workers, stop_workers
+from kestrel.ranks.group import FAILED_KEY, open_store, rendezvous_of
+from kestrel.ranks.workers import RankWatch, start_workers, stop_workers
 
 logger = logging.getLogger("kestrel.distributed")
 

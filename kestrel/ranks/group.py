@@ -6,7 +6,7 @@ Ranks are laid out node by node, as SGLang's launcher does:
     a rank's GPU is cuda:(rank - n * per_node)
 
 The store also carries what the processes tell each other outside the collectives: a node whose rank died
-writes `failed` (rank 0's watch reads it, distributed/workers.py).
+writes `failed` (rank 0's watch reads it, ranks/workers.py).
 """
 from __future__ import annotations
 

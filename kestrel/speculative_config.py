@@ -89,7 +89,7 @@ class SpeculativeConfig:
 
 
 def max_tree_nodes(depth: int, topk: int) -> int:
-    """Kestrel's draft tree (speculative/tree.py) holds topk candidates at each of its depth steps."""
+    """Kestrel's draft tree (forward/draft_tree.py) holds topk candidates at each of its depth steps."""
     return depth * topk
 
 
