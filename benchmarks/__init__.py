@@ -1,4 +1,4 @@
-"""The GPU benchmark suite (scripts/gpu_suite.sh runs it). What the scripts share lives here."""
+"""Reproducible measurement scripts (each writes its figures as JSON). What the scripts share lives here."""
 from __future__ import annotations
 
 import json

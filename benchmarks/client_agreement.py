@@ -1,7 +1,7 @@
 """`kestrel bench serve` against an independent, well-known client on the same server and workload: GuideLLM
 (vllm-project/guidellm, `pip install guidellm`), runs alternating so that drift hits both alike. On a machine
-without network, carry its wheels (GuideLLM 0.8.1 and what the GPU image lacks, ~6 MB: `pip download --no-deps`
-each into a git-ignored folder) and install them with `--no-deps --target`.
+without network, download its wheels elsewhere (GuideLLM 0.8.1 and what the machine lacks: `pip download
+--no-deps`) and install them with `--no-deps --target`.
 
     python -m benchmarks.client_agreement --base-url http://127.0.0.1:8000 --guidellm /path/to/guidellm \\
         --tokenizer MODEL_DIR [--concurrency 1,4] [--input-len 128] [--output-len 128] [--num-prompts 16] \\

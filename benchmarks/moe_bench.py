@@ -20,7 +20,7 @@ each stage, so a timeout keeps what was done):
                      KV read at the mean context; and the fraction of each that was reached
     KV bytes/token   the runner's cache layout, next to GQA / MHA of the same width
 
-The fused Triton MoE is the dev switch KESTREL_FUSED_MOE=1 (kestrel/envs.py; scripts/moe_gpu.sh sets it); without
+The fused Triton MoE is the dev switch KESTREL_FUSED_MOE=1 (kestrel/envs.py; on by default); without
 it the CUDA graphs run every expert on every token (layers/moe.py), which the JSON's "experts_impl" shows.
 """
 from __future__ import annotations

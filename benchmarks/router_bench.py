@@ -14,7 +14,7 @@ gets two warm-up requests of the same lengths and other content, straight from t
 Round-robin sends each group's users to every replica, so every replica computes every system prompt once; the
 cache-aware policy keeps a group on the replica whose cache holds its prefix, so each is computed once overall.
 Without --model it serves the default model (models/kestrel-tiny) on the CPU. JSON default:
-benchmarks/results/router-MODEL-DEVICE-DATE.json.
+router-MODEL-DEVICE-DATE.json in the current directory.
 """
 from __future__ import annotations
 
@@ -30,7 +30,7 @@ from kestrel.bench.replicas import ReplicaConfig, ReplicaSet, free_port_block
 from kestrel.bench.serve import ServeConfig, run_serve_benchmark
 from kestrel.bench.server_info import environment, scrape_metrics
 
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(".")
 
 
 def warm_replica(url: str, dataset: DatasetConfig, tokenizer: str | None, seed: int) -> None:

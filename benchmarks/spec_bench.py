@@ -81,7 +81,7 @@ def c128(engine: Engine, vocab: int, output_len: int) -> dict:
 
 def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_topk: int = 3,
                   quick: bool = False) -> dict:
-    """quick: bs1 only (no speculation, fixed L = 3, adaptive L = 1.15, the tree at L = 3) for a short device call."""
+    """quick: bs1 only (no speculation, fixed L = 3, adaptive L = 1.15, the tree at L = 3) for a short run."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
     prompts = random_prompts(3, 128, vocab, 0)
     out: dict = {}

@@ -8,7 +8,7 @@ scraping /metrics before and after it, next to the TTFT the client saw.
 Without --model it serves the default model (models/kestrel-tiny). Prompts are the bench's `random` dataset in
 token ids of the served tokenizer (kestrel/bench/datasets.py): every one starts differently, so the prefix cache
 has nothing to give, and a fresh seed each run keeps a reused server from having seen them. The JSON (default:
-benchmarks/results/ttft-MODEL-DEVICE-DATE.json) holds the median ms of each stage, of their sum (the server's
+ttft-MODEL-DEVICE-DATE.json in the current directory) holds the median ms of each stage, of their sum (the server's
 TTFT: ASGI app called to first chunk handed to the transport) and of the client's TTFT (request sent to first
 chunk with text read); their difference is the connection and the client's own parsing.
 """
@@ -34,7 +34,7 @@ from kestrel.bench.tokenizer import load_tokenizer
 from kestrel.frontend.first_token import STAGE_NAMES
 
 STAGE_METRIC = "kestrel:first_token_stage_seconds"
-RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS = Path(".")
 
 
 def stage_totals(client: httpx.Client) -> dict[str, tuple[float, float]]:
@@ -113,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=4)
     ap.add_argument("--seed", type=int, default=None, help="prompt seed (default: a fresh one each run)")
     ap.add_argument("--timeout", type=float, default=300.0, help="seconds to wait for a started server")
-    ap.add_argument("--out", help="result JSON (default: benchmarks/results/ttft-MODEL-DEVICE-DATE.json)")
+    ap.add_argument("--out", help="result JSON (default: ttft-MODEL-DEVICE-DATE.json in the current directory)")
     args = ap.parse_args(argv)
     if args.requests < 5:
         ap.error(f"--requests {args.requests} is too few: a median needs at least 5")

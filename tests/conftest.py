@@ -18,7 +18,7 @@ def _has_cuda() -> bool:
     return torch.cuda.is_available()
 
 
-# tests/gpu runs through the GPU suite (scripts/gpu_suite.sh); CPU machines skip it.
+# tests/gpu runs on a CUDA machine; CPU machines skip it.
 collect_ignore = [] if _has_cuda() else ["gpu"]
 
 ARCH_OVERRIDES = {

@@ -1,6 +1,6 @@
 """benchmarks/all_reduce_bench.py on the CPU: two real gloo rank processes time the all-reduce and check its sums,
 rank 0's JSON carries the 8B decode-step estimate, and a SIGTERM to the starter leaves no rank behind. (The NCCL
-and symmetric-memory roads need GPUs: scripts/multi_gpu_suite.sh runs them.)"""
+and symmetric-memory roads need GPUs: the same benchmark runs them on a multi-GPU host.)"""
 from __future__ import annotations
 
 import json

@@ -1,19 +1,13 @@
 """benchmarks/moe_bench.py --quick end to end on the CPU (tiny Qwen3-MoE and DeepSeek-V3 shapes, dummy weights):
-the report has every figure the GPU run fills in, the roofline arithmetic holds, and the table prints it; and
-scripts/moe_gpu.sh's control flow runs without a GPU (--dry-run)."""
+the report has every figure the GPU run fills in and the roofline arithmetic holds."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-from pathlib import Path
 
 import pytest
 
-from benchmarks import moe_bench, moe_table
+from benchmarks import moe_bench
 from benchmarks.moe_roofline import expected_touched_experts
-
-ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
@@ -42,8 +36,6 @@ def test_quick_run_reports_every_figure(tmp_path, shape):
         assert r["kv_bytes_per_token"] == 2 * 2 * 2 * 16 * 4   # layers x K,V x KV heads x head_dim x fp32
     profile = r["bs1_kernel_profile"]
     assert "error" not in profile and profile["us_per_step"] > 0 and profile["top"][0]["name"]
-    text = moe_table.table({shape: r})
-    assert "bs1 decode tok/s" in text and shape in text
 
 
 def _embedding_rows_not_read(cfg: dict) -> int:
@@ -64,17 +56,3 @@ def test_a_failed_stage_is_in_the_report(tmp_path, monkeypatch):
         moe_bench.main(["--quick", "--out", str(out), "--workdir", str(tmp_path)])
     r = json.loads(out.read_text())
     assert "ZeroDivisionError" in r["error"] and r["roofline"]["bs1_roofline_tok_s"] > 0
-    assert "ZeroDivisionError" in moe_table.table(moe_table.load([str(out)]))
-
-
-def test_gpu_script_dry_run_runs_tests_then_both_shapes_then_the_table(tmp_path):
-    env = dict(os.environ, OUT=str(tmp_path))
-    proc = subprocess.run(["bash", "scripts/moe_gpu.sh", "--dry-run"], cwd=ROOT, env=env, capture_output=True,
-                          text=True, timeout=60)
-    assert proc.returncode == 0, proc.stderr
-    commands = [line for line in proc.stdout.splitlines() if line.startswith("+ ")]
-    assert "tests/gpu/test_moe_gpu.py" in commands[0] and "timeout" in commands[0]
-    assert "--shape qwen3-30b-a3b" in commands[1] and "--shape deepseek-v3-small" in commands[2]
-    assert all("timeout" in c for c in commands[:3])
-    assert "benchmarks.moe_table" in commands[-1]
-    assert "NCCL_NVLS_ENABLE=0" in (ROOT / "scripts/moe_gpu.sh").read_text()

@@ -1,7 +1,7 @@
 """benchmarks/sigterm_check.py against the real `kestrel serve --tensor-parallel-size 2` on the CPU: the server is
 found ready with its worker rank, a SIGTERM sent while a long request decodes (its 237 tokens take seconds here)
-ends it with status 0 within the limit, and nothing of its process tree is left (scripts/multi_gpu_suite.sh runs
-the same check on the GPUs)."""
+ends it with status 0 within the limit, and nothing of its process tree is left (the same check
+runs on GPUs with --device cuda)."""
 from __future__ import annotations
 
 import json

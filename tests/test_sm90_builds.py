@@ -1,4 +1,4 @@
-"""The decode step's Triton kernels build for sm_90 (tests/sm90.py: Triton's ptxas, no GPU), so a device call is not
+"""The decode step's Triton kernels build for sm_90 (tests/sm90.py: Triton's ptxas, no GPU), so GPU time is not
 spent finding a compile error: decode attention with its in-launch merge, the fused logits cast + argmax, and where
 the PDL kernels signal (after their wait, once). The interpreter tests hold their numerics; tests/gpu their results
 on the GPU."""

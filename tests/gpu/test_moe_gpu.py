@@ -330,7 +330,7 @@ def _graphs_keep_eager_tokens(path: str, monkeypatch, module, function: str, exp
 
 def test_qwen3_moe_fused_experts_keep_the_torch_experts_tokens(moe_ckpt, monkeypatch):
     """The fused kernels (routing and experts) in graphs against the torch experts' eager sparse loop, the
-    oracle (one engine start fewer than graphs on both sides: the test file's time is the device call's)."""
+    oracle (one engine start fewer than graphs on both sides: the test file's time is limited)."""
     path = moe_ckpt("qwen3_moe")
     fused, _ = _tokens(path, monkeypatch, fused=True)
     torch_eager, _ = _tokens(path, monkeypatch, fused=False, graphs=False)

@@ -7,9 +7,7 @@
 //
 // Compile-time parameters (-D): GROUP (query heads per kv head), HEAD_DIM, CLUSTER (programs per kv head),
 // NUM_WARPS, PREFETCH (keys per slot read before the PDL wait), BLOCK_SIZE (cache page), DIMS_PER_LANE (8 or 16),
-// INDEX64 (block table and kv_lens are int64, as in the CUDA-graph step's buffers; else int32); MERGE=0 is a
-// probe for benchmarks/profile_decode.py (KESTREL_PROFILE_ABLATE=cluster_merge): each program writes its own
-// partial's share of the output, no cluster barrier, no peer reads (wrong output; what the merge costs).
+// INDEX64 (block table and kv_lens are int64, as in the CUDA-graph step's buffers; else int32).
 //
 // Grid (num_kv_heads * CLUSTER, num_seqs), clusters of (CLUSTER, 1, 1); program `rank` of a cluster owns keys
 // [rank * per, min((rank + 1) * per, kv_len)), per = cdiv(kv_len, CLUSTER). Inside a program:
@@ -50,9 +48,6 @@
 // are not __restrict__: the kernel before this one writes q and the newest K/V while this one runs, so their
 // loads must not take the read-only (ld.global.nc) path; the block table and kv_lens are copied in before the step.
 
-#ifndef MERGE
-#define MERGE 1
-#endif
 #ifndef MMA
 #define MMA 0
 #endif
@@ -477,16 +472,6 @@ cluster_decode(const bf16_t* q_ptr, const bf16_t* k_cache, const bf16_t* v_cache
     if (d == 0) { cta_m[g] = mx; cta_l[g] = total; }
   }
 
-#if !MERGE
-  __syncthreads();
-  for (int idx = threadIdx.x; idx < OUT_PER_PROGRAM; idx += THREADS) {
-    const int e = rank * OUT_PER_PROGRAM + idx;
-    const int g = e / HEAD_DIM, d = e % HEAD_DIM;
-    out_ptr[seq * stride_os + (kv_head * GROUP + g) * stride_oh + d] =
-        to_bf16(cta_m[g] == NEG_INF ? 0.f : cta_acc[g][d] / cta_l[g]);
-  }
-  return;
-#endif
   // Programs -> output, through the peers' shared memory.
   cluster_arrive();
   cluster_wait();

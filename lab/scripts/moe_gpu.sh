@@ -5,7 +5,7 @@
 # written or read), each under `timeout`. Logs and JSON go to $OUT (default ./out); the table is printed last and
 # written to $OUT/summary.md.
 #
-#   bash scripts/moe_gpu.sh [--dry-run]
+#   bash lab/scripts/moe_gpu.sh [--dry-run]
 #
 #   BUDGET=400           seconds for the whole run: each stage gets its own limit or what the budget leaves after
 #                        the stages still to come have their minimum, whichever is less
@@ -15,7 +15,7 @@
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 PYTHONUNBUFFERED=1
 DRY=0; [ "${1:-}" = "--dry-run" ] && DRY=1
-ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
 OUT=${OUT:-$ROOT/out}; mkdir -p "$OUT"
 PY=${PYTHON:-python3}
@@ -59,6 +59,6 @@ for shape in $SHAPES; do
   JSONS+=("$OUT/$shape.json")
 done
 
-if [ "$DRY" = 1 ]; then echo "+ $PY -m benchmarks.moe_table ${JSONS[*]}"; exit 0; fi
+if [ "$DRY" = 1 ]; then echo "+ $PY -m lab.moe_table ${JSONS[*]}"; exit 0; fi
 echo "total $((SECONDS - START)) s"
-"$PY" -m benchmarks.moe_table "${JSONS[@]}" | tee "$OUT/summary.md"
+"$PY" -m lab.moe_table "${JSONS[@]}" | tee "$OUT/summary.md"

@@ -3,7 +3,7 @@
 # network), downloaded here for its Python 3.12 into .whl/ (git-ignored); gpu_suite.sh installs them there. Carry
 # the folder with the device call: carry [".whl"].
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
 dl() { $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64 \

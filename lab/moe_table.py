@@ -1,6 +1,7 @@
-"""The short table of benchmarks/moe_bench.py reports, one column a shape (what scripts/moe_gpu.sh prints last).
+"""The short table of benchmarks/moe_bench.py reports, one column a shape (what lab/scripts/moe_gpu.sh prints
+last).
 
-    python -m benchmarks.moe_table out/qwen3-30b-a3b.json out/deepseek-v3-small.json
+    python -m lab.moe_table out/qwen3-30b-a3b.json out/deepseek-v3-small.json
 """
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The short table of scripts/multi_gpu_suite.sh, from the files its steps wrote into one folder:
+"""The short table of lab/scripts/multi_gpu_suite.sh, from the files its steps wrote into one folder:
 
     ar_tp{N}.json          benchmarks/all_reduce_bench.py at N ranks
     bench_tp{N}.json       benchmarks/engine_bench.py --tensor-parallel-size N (the symmetric road on)
@@ -6,7 +6,7 @@
     sigterm.json           benchmarks/sigterm_check.py
     tests.log              pytest tests/gpu/test_tp_gpu.py
 
-    python -m benchmarks.multi_gpu_table DIR [--model llama-3.1-8b] [--json summary.json]
+    python -m lab.multi_gpu_table DIR [--model llama-3.1-8b] [--json summary.json]
 
 Prints the all-reduce times per message size, then one row per engine run (bs1 decode, its speedup over TP=1,
 128 concurrent, TTFT, startup, the 8B step's all-reduce time by road) and the issue's targets, met or not. A step

@@ -9,9 +9,9 @@
 #     the host has GPUs for), then the largest TP again with --disable-custom-all-reduce
 #   benchmarks/sigterm_check.py: kestrel serve at the largest TP, SIGTERM mid-request, exit within 30 s with status
 #     0, no process of its tree nor a kestrel.ranks.worker left
-#   the table (benchmarks/multi_gpu_table.py), printed last
+#   the table (lab/multi_gpu_table.py), printed last
 #
-#   bash scripts/multi_gpu_suite.sh [--dry-run]      (--dry-run: the commands and their time limits, on any machine)
+#   bash lab/scripts/multi_gpu_suite.sh [--dry-run]      (--dry-run: the commands and their time limits, on any machine)
 #   END=570      seconds for the whole call: each step is cut to what the budget leaves after the steps to come
 #   TPS="1 2 4"  the engine runs (default: those of 1 2 4 that fit the GPUs); AR_WORLDS the all-reduce bench's rank
 #                counts (default: every GPU); COMMIT=SHA names the tree in the table where it has no .git
@@ -21,10 +21,10 @@
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 DRY=0; [ "${1:-}" = --dry-run ] && DRY=1
-cd "$(dirname "$0")/.." || exit 2
+cd "$(dirname "$0")/../.." || exit 2
 OUT=${OUT:-$PWD/out}; O=/tmp/multi-gpu; rm -rf "$O"; mkdir -p "$O" "$OUT"; LOG=$O/suite.log; : > "$LOG"
 WORK=${BENCH_WORKDIR:-/tmp/kestrel-bench}; MODEL=llama-3.1-8b; T0=$SECONDS; END=${END:-570}
-if [ $DRY = 0 ]; then source scripts/install_gpu_wheels.sh > /dev/null 2>&1; else export PYTHONPATH=$PWD:/tmp/site; fi
+if [ $DRY = 0 ]; then source lab/scripts/install_gpu_wheels.sh > /dev/null 2>&1; else export PYTHONPATH=$PWD:/tmp/site; fi
 
 lim() { local l=$(( END - (SECONDS - T0) - $2 )); echo $(( $1 < l ? $1 : l )); }   # lim WANT RESERVE
 st() { echo "=== $* ($((SECONDS - T0)) s)" | tee -a "$LOG"; }
@@ -45,7 +45,7 @@ reap() {
     echo "left behind by $1: $(ps -o pid=,args= -p "$p" | cut -c1-120); killed" | tee -a "$LOG"; kill -9 "$p"; done
 }
 one_line() {   # one engine run's figures, from its report
-  python3 -c "import sys; from pathlib import Path; from benchmarks.multi_gpu_table import engine_row, load
+  python3 -c "import sys; from pathlib import Path; from lab.multi_gpu_table import engine_row, load
 r = engine_row(load(Path(sys.argv[1])), sys.argv[2]); print(r.get('error') or ', '.join(f'{k} {r[k]:.1f}' for k in
 ('bs1_tok_s', 'c128_tok_s', 'ttft_ms', 'startup_s') if r.get(k)))" "$1" "$MODEL" 2>&1 | tail -1 | tee -a "$LOG"
 }
@@ -105,6 +105,6 @@ run "$l" "$O/sigterm_run.log" python3 -m benchmarks.sigterm_check "$WORK/$MODEL"
 tail -2 "$O/sigterm_run.log" 2>/dev/null | tee -a "$LOG"; reap "the SIGTERM check"
 
 st "summary"
-python3 -m benchmarks.multi_gpu_table "$O" --model "$MODEL" --json "$O/summary.json" > "$O/summary.md" 2>> "$LOG"
+python3 -m lab.multi_gpu_table "$O" --model "$MODEL" --json "$O/summary.json" > "$O/summary.md" 2>> "$LOG"
 cp "$O/summary.md" "$OUT/summary.md"; tar czf "$OUT/multi_gpu.tgz" -C "$O" .
 echo; cat "$O/summary.md"

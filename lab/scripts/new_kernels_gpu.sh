@@ -5,9 +5,10 @@
 # bs1 (moe_bench); tests/gpu for MoE and speculation; kestrel-tiny speculation (drafter_bench).
 # Results in $OUT/call3.tgz; steps.txt holds the short table (also printed). END=SECONDS shortens it. A step that
 # would not fit in what is left is skipped and says so. ORDER="moe moe_tests ..." picks and orders the steps.
+cd "$(dirname "$0")/../.." || exit 2
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
 O=/tmp/o3; mkdir -p $O; T0=$SECONDS; END=${END:-590}; W=/tmp/kestrel-bench; mkdir -p $W
-source scripts/install_gpu_wheels.sh > /dev/null 2>&1
+source lab/scripts/install_gpu_wheels.sh > /dev/null 2>&1
 nvidia-smi --query-gpu=name --format=csv,noheader | tee $O/gpu.txt
 st() { echo "=== $* ($((SECONDS - T0)) s)" | tee -a $O/steps.txt; }
 # run NAME MIN_S MAX_S CMD...: CMD under min(MAX_S, what is left), or skipped when under MIN_S is left
@@ -22,7 +23,7 @@ pyt() { run "tests_$1" 30 $2 python3 -m pytest -q -p no:cacheprovider -rfE --tb=
 
 step_fp8_tests() { pyt fp8 100; }
 step_bf16() { bench bf16; }
-# base_bf16: the same bf16 bench from another commit's tree in .baseline/ (carry it; see BENCHMARKS.md's
+# base_bf16: the same bf16 bench from another commit's tree in .baseline/ (carry it; see lab/README.md's
 # before/after), for a before/after inside this call
 step_base_bf16() { [ -d .baseline/kestrel ] || { st "base_bf16"; echo "skipped: no .baseline/" | tee -a $O/steps.txt; return; }
   (cd .baseline && PYTHONPATH=$PWD bench base_bf16); }

@@ -1,4 +1,4 @@
-# Sourced by the GPU scripts: install the wheels carried in .whl/ (scripts/fetch_gpu_wheels.sh) and .whl-lite/ (the
+# Sourced by the GPU scripts: install the wheels carried in .whl/ (lab/scripts/fetch_gpu_wheels.sh) and .whl-lite/ (the
 # server stack alone, when a call's 64 MiB must also carry something big) into /tmp/site, and put it on PYTHONPATH.
 for dir in .whl .whl-lite; do
   if ls "$dir"/*.whl >/dev/null 2>&1; then

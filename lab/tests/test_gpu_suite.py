@@ -1,14 +1,14 @@
-"""scripts/gpu_suite.sh's control flow (its --dry-run prints each command) and its one table
-(benchmarks/report.py --suite), on CPU."""
+"""lab/scripts/gpu_suite.sh's control flow (its --dry-run prints each command) and its one table
+(lab/suite_table.py), on CPU."""
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
 
-from benchmarks.report import suite_summary, suite_table
+from lab.suite_table import suite_summary, suite_table
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 
 
 def _bench(tok_s: float, c128: float, ttft: float, hf: bool = False) -> dict:
@@ -75,7 +75,7 @@ def test_dry_run_alternates_the_trees_and_prints_the_table_last(tmp_path):
     env = {**os.environ, "OUT": str(out), "BASELINE_SRC": str(base), "STAGES": "bench serve tests",
            "GPU_TEST_FILES": "tests/gpu/test_cuda_parity.py", "HF": "1",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+    r = subprocess.run(["bash", "lab/scripts/gpu_suite.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     commands = [line for line in r.stdout.splitlines() if line.startswith("[dry-run]")]
@@ -98,7 +98,7 @@ def test_the_ttft_stage_runs_the_breakdown_per_shape_and_adds_its_rows(tmp_path)
     out = tmp_path / "out"
     env = {**os.environ, "OUT": str(out), "STAGES": "ttft",
            "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    r = subprocess.run(["bash", "scripts/gpu_suite.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
+    r = subprocess.run(["bash", "lab/scripts/gpu_suite.sh", "--dry-run"], cwd=REPO, env=env, capture_output=True,
                        text=True, timeout=120)
     assert r.returncode == 0, r.stderr
     runs = [line for line in r.stdout.splitlines() if "benchmarks.ttft_breakdown" in line]

