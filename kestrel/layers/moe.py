@@ -14,8 +14,9 @@ precise of the two), so the experts chosen do not flip with the activation dtype
 
     softmax_topk          Qwen3-MoE, Mixtral: softmax over all experts, the k largest, optionally renormalised
                           (Mixtral's "top-k, then softmax over those k" is the renormalised form)
-    grouped_sigmoid_topk  DeepSeek-V3: sigmoid scores; the correction bias steers which experts are chosen but
-                          never their weights; groups first, then experts inside the chosen groups
+    grouped_sigmoid_topk  DeepSeek-V3, GLM-4-MoE: sigmoid scores; the correction bias steers which experts are
+                          chosen but never their weights; groups first, then experts inside the chosen groups
+                          (`grouped_route` binds the model's settings and reads the router's bias)
 
 The expert computation is a function chosen when the model is built (LayerOps.fused_moe): `fused_experts_torch`
 below is the CPU road and the oracle; a fused Triton MoE kernel plugs in there on CUDA with the same arguments.
@@ -82,6 +83,16 @@ def grouped_sigmoid_topk(logits: torch.Tensor, k: int, correction_bias: torch.Te
     if renormalize:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
     return Routing(ids, weights * scaling)
+
+
+def grouped_route(k: int, n_group: int, topk_group: int, renormalize: bool,
+                  scaling: float) -> Callable[[torch.Tensor, Router], Routing]:
+    """SparseMoE's `route` for DeepSeek-V3 and GLM-4-MoE: grouped_sigmoid_topk with the model's settings, steered by
+    the router's correction bias."""
+    def route(logits: torch.Tensor, gate: Router) -> Routing:
+        return grouped_sigmoid_topk(logits, k, gate.e_score_correction_bias, n_group, topk_group, renormalize,
+                                    scaling)
+    return route
 
 
 def fused_experts_torch(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,

@@ -28,8 +28,6 @@ all-reduce), the dense layers as the Llama family's MLP.
 """
 from __future__ import annotations
 
-from functools import partial
-
 import torch
 from torch import nn
 
@@ -38,11 +36,11 @@ from kestrel.attention.mla import LatentAttention, rotate_interleaved, write_lat
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.batch import ForwardBatch
 from kestrel.layers.linear import ColumnParallelLinear, RowParallelLinear
-from kestrel.layers.moe import Router, Routing, expert_weight_names, grouped_sigmoid_topk
+from kestrel.layers.moe import expert_weight_names, grouped_route
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import RotaryEmbedding, yarn_mscale
-from kestrel.models.llama import MLP, LlamaForCausalLM
+from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.llama_moe import MoEMLP, is_past_last_layer
 from kestrel.models.model_config import ModelConfig
 
@@ -84,10 +82,10 @@ class MLAttention(nn.Module):
         self.latent = LatentAttention(self.kv_lora_rank, softmax_scale(qk_dim, cfg.rope_scaling))
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
-                latent_cache: torch.Tensor,
-                backend: AttentionBackend | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: AttentionBackend | None, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(o_proj(MLA(norm(hidden + residual))), hidden + residual); writes this step's latents. backend: the
-        runner's, whose latent-decode kernel (if any) runs the decode steps' attention."""
+        runner's (K/V-shaped) attention; MLA runs its own over the latent cache, through the backend's
+        latent-decode kernel where it has one."""
         x, residual = (norm(hidden), hidden) if residual is None else norm(hidden, residual)
         tokens = x.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if self.q_lora else self.q_proj(x)
@@ -110,28 +108,6 @@ class MLAttention(nn.Module):
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), residual
 
 
-class DeepseekDecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module,
-                 tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.self_attn = MLAttention(cfg, rotary, ops, tp)
-        self.mlp = mlp
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                backend: AttentionBackend, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # `backend` is the runner's (K/V-shaped) attention; MLA runs its own over the latent cache, through the
-        # backend's latent-decode kernel where it has one
-        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, latent_cache, backend)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
-
-
-def grouped_route(cfg: ModelConfig, logits: torch.Tensor, gate: Router) -> Routing:
-    return grouped_sigmoid_topk(logits, cfg.num_experts_per_tok, gate.e_score_correction_bias, cfg.n_group,
-                                cfg.topk_group, cfg.norm_topk_prob, cfg.routed_scaling_factor)
-
-
 class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
         super().__init__(cfg, ops, tp)
@@ -143,10 +119,10 @@ class DeepseekV3ForCausalLM(LlamaForCausalLM):
     def skips_weight(self, name: str) -> bool:
         return is_past_last_layer(name, self.config.num_layers)
 
-    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
-                   tp: TPGroup) -> nn.Module:
-        if index in cfg.dense_layers:
-            mlp: nn.Module = MLP(cfg, ops, tp)
-        else:
-            mlp = MoEMLP(cfg, ops, partial(grouped_route, cfg), correction_bias=True, tp=tp)
-        return DeepseekDecoderLayer(cfg, rotary, ops, mlp, tp)
+    def make_attention(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        return MLAttention(cfg, rotary, ops, tp)
+
+    def make_moe(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        route = grouped_route(cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                              cfg.routed_scaling_factor)
+        return MoEMLP(cfg, ops, route, correction_bias=True, tp=tp)

@@ -84,7 +84,10 @@ class Eagle3Attention(nn.Module):
 
 
 class Eagle3DecoderLayer(nn.Module):
-    """The checkpoint's `midlayer`: a Llama layer with a second input norm (hidden_norm) for the hidden half."""
+    """The checkpoint's `midlayer`: a Llama layer with a second input norm (hidden_norm) for the hidden half.
+
+    Not the models' DecoderLayer (models/llama.py): its attention reads two normed inputs concatenated (2 H wide),
+    so no norm folds into q/k/v and no residual stream comes in from a layer before; only the MLP half is shared."""
 
     def __init__(self, cfg: Eagle3Config, ops: LayerOps) -> None:
         super().__init__()

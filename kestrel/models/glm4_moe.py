@@ -13,17 +13,15 @@ all-reduce of the MoE block's output a layer.
 from __future__ import annotations
 
 from dataclasses import replace
-from functools import partial
 
 from torch import nn
 
 from kestrel.distributed.comm import SINGLE, TPGroup
-from kestrel.layers.moe import expert_weight_names
+from kestrel.layers.moe import expert_weight_names, grouped_route
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.layers.rotary import PartialRotaryEmbedding, RotaryEmbedding
-from kestrel.models.deepseek_v3 import grouped_route
-from kestrel.models.llama import DecoderLayer, LlamaForCausalLM
-from kestrel.models.llama_moe import MoeDecoderLayer, MoEMLP, is_past_last_layer
+from kestrel.models.llama import LlamaForCausalLM
+from kestrel.models.llama_moe import MoEMLP, is_past_last_layer
 from kestrel.models.model_config import ModelConfig
 
 
@@ -43,11 +41,12 @@ class Glm4MoeForCausalLM(LlamaForCausalLM):
     def skips_weight(self, name: str) -> bool:
         return is_past_last_layer(name, self.config.num_layers)
 
-    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
-                   tp: TPGroup) -> nn.Module:
+    def make_attention(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup) -> nn.Module:
         if cfg.rotary_dim:
             ops = replace(ops, attn_prologue=None)   # the prologue's rotary is full-width
-        if index in cfg.dense_layers:
-            return DecoderLayer(cfg, rotary, ops, tp)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(grouped_route, cfg),
-                                                        correction_bias=True, tp=tp), tp=tp)
+        return super().make_attention(cfg, rotary, ops, tp)
+
+    def make_moe(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        route = grouped_route(cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group, cfg.norm_topk_prob,
+                              cfg.routed_scaling_factor)
+        return MoEMLP(cfg, ops, route, correction_bias=True, tp=tp)

@@ -108,20 +108,32 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup = SINGLE) -> None:
+    """One decoder layer of every model here, dense or MoE: pre-norm attention, then a pre-norm MLP block, on one
+    residual stream. The two blocks are parts the model builds (LlamaForCausalLM.make_attention / make_mlp):
+
+        self_attn   Attention (the Llama family, GLM-4-MoE) or MLAttention (DeepSeek-V3: deepseek_v3.py)
+        mlp slot    MLP (dense) or MoEMLP (llama_moe.py: routed experts + shared ones), under the checkpoint's
+                    name for it (`mlp`; Mixtral: `block_sparse_moe`)
+
+    Each block takes (hidden, residual, its norm) and returns (its output, hidden + residual): the add is fused
+    into the norm, and the norm into the block's first matmul where the linear method folds it in. `caches` are
+    the layer's cache planes, handed to the attention as they are: (k, v), or MLA's (latent,)."""
+
+    def __init__(self, cfg: ModelConfig, ops: LayerOps, self_attn: nn.Module, mlp: nn.Module,
+                 mlp_name: str = "mlp") -> None:
         super().__init__()
-        self.self_attn = Attention(cfg, rotary, ops, tp)
-        self.mlp = MLP(cfg, ops, tp)
+        self.self_attn = self_attn
+        self.mlp_name = mlp_name
+        self.add_module(mlp_name, mlp)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
+                backend: AttentionBackend, *caches: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # The residual stream is carried separately so the add fuses into the next norm (and the norm into the
         # next matmul, where the linear method folds it in); residual None: hidden is the stream (layer 0).
-        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, backend, k_cache, v_cache)
-        return self.mlp(hidden, residual, self.post_attention_layernorm)
+        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, backend, *caches)
+        return getattr(self, self.mlp_name)(hidden, residual, self.post_attention_layernorm)
 
 
 class LlamaForCausalLM(nn.Module):
@@ -130,6 +142,7 @@ class LlamaForCausalLM(nn.Module):
         "q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
         "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1),
     }
+    mlp_name = "mlp"   # the checkpoint's name for a layer's MLP slot (Mixtral: block_sparse_moe)
 
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
         super().__init__()
@@ -150,8 +163,23 @@ class LlamaForCausalLM(nn.Module):
 
     def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
                    tp: TPGroup) -> nn.Module:
-        """Layer `index`; the MoE and MLA models (llama_moe.py, deepseek_v3.py, glm4_moe.py) build theirs here."""
-        return DecoderLayer(cfg, rotary, ops, tp)
+        """Layer `index`: the model's attention and MLP blocks in the one DecoderLayer."""
+        return DecoderLayer(cfg, ops, self.make_attention(cfg, rotary, ops, tp), self.make_mlp(index, cfg, ops, tp),
+                            self.mlp_name)
+
+    def make_attention(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        """A layer's attention block; DeepSeek-V3 builds its latent attention here, GLM-4-MoE drops the prologue."""
+        return Attention(cfg, rotary, ops, tp)
+
+    def make_mlp(self, index: int, cfg: ModelConfig, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        """Layer `index`'s MLP block: the dense MLP, or in a MoE model (cfg.num_experts) outside cfg.dense_layers
+        the model's sparse block (`make_moe`: llama_moe.py, deepseek_v3.py, glm4_moe.py)."""
+        if cfg.num_experts and index not in cfg.dense_layers:
+            return self.make_moe(cfg, ops, tp)
+        return MLP(cfg, ops, tp)
+
+    def make_moe(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        raise NotImplementedError(f"{cfg.architecture}: no mixture-of-experts block")
 
     def forward(self, batch: ForwardBatch, backend: AttentionBackend,
                 kv_caches: list[tuple[torch.Tensor, ...]]) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:

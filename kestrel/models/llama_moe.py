@@ -25,15 +25,12 @@ from typing import Callable
 import torch
 from torch import nn
 
-from kestrel.attention.base import AttentionBackend
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
-from kestrel.batch import ForwardBatch
 from kestrel.layers.moe import Router, Routing, SparseMoE, check_moe_tp_shape, expert_weight_names
 from kestrel.layers.norm import RMSNorm
 from kestrel.layers.ops import TORCH_OPS, LayerOps
-from kestrel.layers.rotary import RotaryEmbedding
-from kestrel.models.llama import MLP, Attention, DecoderLayer, LlamaForCausalLM
+from kestrel.models.llama import MLP, LlamaForCausalLM
 from kestrel.models.model_config import ModelConfig
 
 
@@ -80,25 +77,6 @@ class MoEMLP(SparseMoE):
         return self.tp.all_reduce(out), residual
 
 
-class MoeDecoderLayer(nn.Module):
-    """A Llama decoder layer whose MLP slot (named as the checkpoint names it) holds `mlp`."""
-
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps, mlp: nn.Module,
-                 mlp_name: str = "mlp", tp: TPGroup = SINGLE) -> None:
-        super().__init__()
-        self.self_attn = Attention(cfg, rotary, ops, tp)
-        self.mlp_name = mlp_name
-        self.add_module(mlp_name, mlp)
-        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, ops.rms_norm)
-
-    def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, batch: ForwardBatch,
-                backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-        hidden, residual = self.self_attn(hidden, residual, self.input_layernorm, batch, backend, k_cache, v_cache)
-        return getattr(self, self.mlp_name)(hidden, residual, self.post_attention_layernorm)
-
-
 def _softmax_route(cfg: ModelConfig, route: Callable[[torch.Tensor, int, bool], Routing], logits: torch.Tensor,
                    gate: Router) -> Routing:
     return route(logits, cfg.num_experts_per_tok, cfg.norm_topk_prob)   # LayerOps.softmax_topk
@@ -114,30 +92,21 @@ def _softmax_route_hidden(cfg: ModelConfig, ops: LayerOps) -> Callable[[torch.Te
 
 
 class Qwen3MoeForCausalLM(LlamaForCausalLM):
+    expert_names = ("gate_proj", "up_proj", "down_proj")   # an expert's gate, up and down in the checkpoint
+
     def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
         super().__init__(cfg, ops, tp)
         # experts first: the loader takes the first fragment a name contains, and "gate_proj" is in both
-        self.packed_modules = {**expert_weight_names(cfg.num_experts, "gate_proj", "up_proj", "down_proj"),
+        self.packed_modules = {**expert_weight_names(cfg.num_experts, *self.expert_names),
                                **LlamaForCausalLM.packed_modules}
 
-    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
-                   tp: TPGroup) -> nn.Module:
-        if index in cfg.dense_layers:
-            return DecoderLayer(cfg, rotary, ops, tp)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk),
-                                                        tp=tp, route_hidden=_softmax_route_hidden(cfg, ops)),
-                               tp=tp)
+    def make_moe(self, cfg: ModelConfig, ops: LayerOps, tp: TPGroup) -> nn.Module:
+        return MoEMLP(cfg, ops, partial(_softmax_route, cfg, ops.softmax_topk), tp=tp,
+                      route_hidden=_softmax_route_hidden(cfg, ops))
 
 
-class MixtralForCausalLM(LlamaForCausalLM):
-    def __init__(self, cfg: ModelConfig, ops: LayerOps = TORCH_OPS, tp: TPGroup = SINGLE) -> None:
-        super().__init__(cfg, ops, tp)
-        self.packed_modules = {**expert_weight_names(cfg.num_experts, "w1", "w3", "w2"),
-                               **LlamaForCausalLM.packed_modules}
-
-    def make_layer(self, index: int, cfg: ModelConfig, rotary: RotaryEmbedding, ops: LayerOps,
-                   tp: TPGroup) -> nn.Module:
-        route = partial(_softmax_route, cfg, ops.softmax_topk)
-        return MoeDecoderLayer(cfg, rotary, ops, MoEMLP(cfg, ops, route, tp=tp,
-                                                        route_hidden=_softmax_route_hidden(cfg, ops)),
-                               mlp_name="block_sparse_moe", tp=tp)
+class MixtralForCausalLM(Qwen3MoeForCausalLM):
+    """Qwen3-MoE's layers and routing (every layer sparse: Mixtral's config has no dense layers) under Mixtral's
+    checkpoint names."""
+    mlp_name = "block_sparse_moe"
+    expert_names = ("w1", "w3", "w2")
