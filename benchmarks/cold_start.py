@@ -7,9 +7,11 @@ earlier run is reused, then the server is started and timed:
     ready_s       from starting the process to /health answering 200
     phases        seconds per startup phase, as the server's /health reports them ("starting" is everything
                   before the model is resolved: the interpreter, imports, the HTTP server)
-    graph memory  the server log's "graphs hold X GiB" line (the allocator's counters before and after capture)
+    graph memory  the server log's "graphs hold X GiB" line (the allocator's counters before and after capture),
+                  with the capture size it was measured at (cuda_graph_max_bs: the largest decode graph's batch;
+                  the default server's is 256)
     TTFT          streamed /v1/completions with fresh prompts of --prompt-len random token ids (none in the
-                  prefix cache), median of --requests
+                  prefix cache), median of --requests; prefix_cache_hit_rate: the timed requests' (/metrics)
 
     python -m benchmarks.cold_start MODEL [--device cuda] [--out cold.json] [-- extra kestrel serve flags]
 """
@@ -20,7 +22,6 @@ import contextlib
 import http.client
 import json
 import os
-import random
 import re
 import statistics
 import subprocess
@@ -100,6 +101,20 @@ def graph_memory_gib(log: str) -> float | None:
     return float(found[-1]) if found else None
 
 
+def graph_memory_device_gib(log: str) -> float | None:
+    """The capture line's device-wide figure (the allocator's plus what CUDA itself took)."""
+    found = re.findall(r"graphs hold [0-9.]+ GiB \(allocator; ([0-9.]+) GiB device-wide\)", log)
+    return float(found[-1]) if found else None
+
+
+def graph_max_bs(log: str) -> int | None:
+    """The largest decode batch the server captured a graph for (the size graph_memory_gib was measured at):
+    from its "captured N decode graphs (batch sizes [...])" line."""
+    found = re.findall(r"captured \d+ decode graphs \(batch sizes \[([0-9, ]*)\]\)", log)
+    sizes = [int(x) for x in found[-1].split(",") if x.strip()] if found else []
+    return max(sizes) if sizes else None
+
+
 @contextlib.contextmanager
 def kestrel_serve(model: str, device: str, port: int, serve_args: list[str], log_path: Path, timeout_s: float,
                   env: dict[str, str] | None = None) -> Iterator[tuple[str, dict]]:
@@ -121,26 +136,39 @@ def kestrel_serve(model: str, device: str, port: int, serve_args: list[str], log
 
 def measure(model: str, device: str, port: int, prompt_len: int, requests: int, serve_args: list[str],
             timeout_s: float) -> dict:
+    # here, not at the top: startup_profile.py imports this module before it points the compile caches at fresh
+    # directories, and nothing may import torch before that
+    from kestrel.bench.fresh import FreshPrompts
+    from kestrel.bench.server_info import prefix_cache_stats, scrape_metrics
+
     with tempfile.TemporaryDirectory(prefix="kestrel-cold-") as root:
         log_path = Path(root) / "server.log"
         with kestrel_serve(model, device, port, serve_args, log_path, timeout_s,
                            env=cold_environment(Path(root))) as (base, health):
             card = httpx.get(f"{base}/v1/models", timeout=5.0).json()["data"][0]
-            vocab = 1000   # random ids well inside any vocabulary
-            rng = random.Random(0)
+            # random ids well inside any vocabulary, each prompt with a first token of its own: none shares a
+            # prefix with another (the warm-up's included), so every timed TTFT is a prefill, not a cache hit
+            fresh = FreshPrompts(1000, seed=0, low=10)
             conn = connect(base)
             try:
-                streamed_ttft(conn, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)   # warm-up
-                ttfts = [streamed_ttft(conn, card["id"], [rng.randrange(10, vocab) for _ in range(prompt_len)], 2)
-                         for _ in range(requests)]
+                streamed_ttft(conn, card["id"], fresh.one(prompt_len), 2)   # warm-up
+                before = scrape_metrics(base)
+                ttfts = [streamed_ttft(conn, card["id"], fresh.one(prompt_len), 2) for _ in range(requests)]
+                after = scrape_metrics(base)
             finally:
                 conn.close()
+            cache = prefix_cache_stats(before, after)
         log_text = log_path.read_text()
     phases = health.get("phases", {})
     return {"model": model, "device": device, "ready_s": round(health["ready_s"], 3), "phases_s": phases,
             "unaccounted_s": round(health["ready_s"] - sum(phases.values()), 3),
-            "graph_memory_gib": graph_memory_gib(log_text), "prompt_len": prompt_len,
+            "graph_memory_gib": graph_memory_gib(log_text),
+            "graph_memory_device_gib": graph_memory_device_gib(log_text),
+            "cuda_graph_max_bs": graph_max_bs(log_text),   # the capture size the graph memory was measured at
+            "prompt_len": prompt_len,
             "ttft_ms_p50": round(1000 * statistics.median(ttfts), 2),
+            # the timed requests' (the server's /metrics before and after them), as `kestrel bench serve` reports
+            "prefix_cache_hit_rate": cache["hit_rate"] if cache else None, "prefix_cache": cache,
             "ttft_ms": [round(1000 * t, 2) for t in ttfts], "caches": "fresh (" + ", ".join(CACHE_VARIABLES) + ")",
             # the startup's own account (phases, compile workers, graphs, errors), to read a figure by
             "server_log": [line for line in log_text.splitlines()

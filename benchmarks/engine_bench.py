@@ -1,10 +1,15 @@
 """GPU benchmark suite: Kestrel in-process vs HF transformers, on random weights in real shapes.
 
 For each model: startup split by phase; single-stream decode (prompt 128, 256 new tokens, 3 prompts one at a
-time) with and without CUDA graphs and per attention backend; TTFT of one 128-token prompt; output throughput
-at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory; the bs1 roofline (weight bytes
-one step reads / measured copy bandwidth); and HF transformers eager `generate` on the
-same weights in the same run.
+time) with and without CUDA graphs and per attention backend; TTFT of a 128-token prompt (the median of 5
+prompts); output throughput at 128 concurrent requests (128 in / 256 out, ignore_eos); CUDA graph memory at the
+default server's capture size (decode graphs to batch 256, written as cuda_graph_max_bs); the bs1 roofline
+(weight bytes one step reads / measured copy bandwidth); and HF transformers eager `generate` on the same weights
+in the same run.
+
+Every timed prompt is new: random token ids with a first token no earlier prompt had (kestrel/bench/fresh.py), the
+warm-ups' included, so no timing is a prefix-cache hit; each figure has its prefix_cache_hit_rate beside it (0.0
+unless something went wrong; the shared-prefix workload's "cache on" is meant to hit).
 
     python -m benchmarks.engine_bench --models qwen3-0.6b,llama-3.1-8b,kestrel-tiny --out results.json
 
@@ -14,6 +19,7 @@ file with gguf_file= (needs the gguf and accelerate packages).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -26,6 +32,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import SHAPES, write_random_checkpoint
+from kestrel.bench.fresh import FreshPrompts, cache_counters, hit_rate_fields
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig
 from kestrel.engine.engine import Engine
 from kestrel.progress import Progress
@@ -68,8 +75,10 @@ def copy_bandwidth_bytes_per_s() -> float:
 
 
 def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Submit all prompts at once, step until done; returns wall time, token counts and per-request TTFT."""
+    """Submit all prompts at once, step until done; returns wall time, token counts, per-request TTFT and the
+    prefix-cache hit rate of these prompts (kestrel/bench/fresh.py: read outside the timing)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True)
+    cache_before = cache_counters(engine)
     t0 = time.perf_counter()
     first: dict[str, float] = {}
     for i, p in enumerate(prompts):
@@ -81,12 +90,17 @@ def run_requests(engine: Engine, prompts: list[list[int]], max_tokens: int) -> d
                 first[up.request_id] = time.perf_counter() - t0
             tokens += len(up.new_token_ids)
     wall = time.perf_counter() - t0
-    return {"wall_s": wall, "output_tokens": tokens, "ttft_s": sorted(first.values())}
+    return {"wall_s": wall, "output_tokens": tokens, "ttft_s": sorted(first.values()),
+            "prompt_tokens": sum(map(len, prompts)), **hit_rate_fields(cache_before, cache_counters(engine))}
 
 
 def single_stream(engine: Engine, prompts: list[list[int]], max_tokens: int) -> dict:
-    """Prompts one at a time (the tuning report's method): tok/s = all output tokens / all wall time."""
+    """Prompts one at a time (the tuning report's method): tok/s = all output tokens / all wall time; decode tok/s =
+    the tokens after each first one / the time after each first token. With the prompts' prefix-cache hit rate
+    (give it prompts no earlier request sent: FreshPrompts) and the output token count (ignore_eos: max_tokens
+    each)."""
     walls, ttfts, tokens = [], [], 0
+    cache_before = cache_counters(engine)
     for p in prompts:
         r = run_requests(engine, [p], max_tokens)
         walls.append(r["wall_s"])
@@ -95,7 +109,9 @@ def single_stream(engine: Engine, prompts: list[list[int]], max_tokens: int) -> 
     wall = sum(walls)
     decode_s = sum(w - t for w, t in zip(walls, ttfts))
     return {"tok_s": tokens / wall, "ms_per_token": 1000 * wall / tokens,
-            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts)}
+            "decode_tok_s": (tokens - len(prompts)) / decode_s, "ttft_ms_mean": 1000 * sum(ttfts) / len(ttfts),
+            "output_tokens": tokens, "prompts": len(prompts), "prompt_len": len(prompts[0]),
+            **hit_rate_fields(cache_before, cache_counters(engine))}
 
 
 def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]]:
@@ -103,11 +119,69 @@ def random_prompts(n: int, length: int, vocab: int, seed: int) -> list[list[int]
     return [[rng.randrange(2, vocab) for _ in range(length)] for _ in range(n)]
 
 
+PROMPT_LEN = 128    # every Kestrel timing's prompt length
+BS1_PROMPTS = 3     # prompts timed one at a time
+TTFT_RUNS = 5       # TTFT: the median of this many prompts, each new
+
+
+def ttft(engine: Engine, prompts: list[list[int]]) -> dict:
+    """TTFT of each prompt alone (one output token), the median in ms, and the prompts' prefix-cache hit rate:
+    distinct new prompts (FreshPrompts) time a prefill, the same prompt repeated a cache lookup."""
+    cache_before = cache_counters(engine)
+    ttfts = sorted(run_requests(engine, [p], 1)["ttft_s"][0] for p in prompts)
+    return {"ms": 1000 * ttfts[len(ttfts) // 2], "runs": len(prompts),
+            **hit_rate_fields(cache_before, cache_counters(engine))}
+
+
+def throughput(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Every prompt at once, output_len tokens each (ignore_eos): output tok/s over the wall time."""
+    r = run_requests(engine, prompts, output_len)
+    return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"],
+            "ttft_p50_ms": 1000 * r["ttft_s"][len(r["ttft_s"]) // 2], "output_tokens": r["output_tokens"],
+            "requests": len(prompts), "prompt_len": len(prompts[0]),
+            **{k: v for k, v in r.items() if k.startswith("prefix_cache_")}}
+
+
+def warm_up(engine: Engine, fresh: FreshPrompts, concurrency: int, prompt_len: int = PROMPT_LEN) -> None:
+    """One prompt alone, then `concurrency` at once (Triton compiles the batched prefill shapes outside the timing):
+    prompts of the timed runs' lengths and batch, never sent again, so no timed prompt finds its prefix cached."""
+    run_requests(engine, fresh.take(1, prompt_len), 8)
+    run_requests(engine, fresh.take(concurrency, prompt_len), 4)
+
+
+def default_road(engine: Engine, fresh: FreshPrompts, results: dict, *, concurrency: int, output_len: int,
+                 prompt_len: int = PROMPT_LEN, bs1_prompts: int = BS1_PROMPTS, ttft_runs: int = TTFT_RUNS,
+                 eager_prefill: bool = True) -> dict:
+    """The timings of the road the engine was built with, every prompt new (`fresh`, warm-up included), each with
+    its prefix-cache hit rate beside it: TTFT (ttft_128_ms, and through the eager prefill when prefill graphs are
+    on and eager_prefill), bs1 and `concurrency` at once. Fills results; returns the variant row (bs1, c128)."""
+    warm_up(engine, fresh, concurrency, prompt_len)
+    runner = engine.runner
+    t = ttft(engine, fresh.take(ttft_runs, prompt_len))
+    results["ttft_128_ms"] = t["ms"]
+    results["ttft_128_prefix_cache_hit_rate"] = t["prefix_cache_hit_rate"]
+    results["ttft_prompt_len"], results["ttft_runs"] = prompt_len, ttft_runs
+    results["prefill_graphs"] = getattr(runner, "prefill_graphs", None) is not None
+    # With tensor parallelism rank 0's runner is a DriverRunner: switching its graphs or backend off here would
+    # not reach the other ranks (nor its own inner runner), so only the default road is timed (as --graphs-only).
+    if eager_prefill and results["prefill_graphs"]:   # fresh prompts through the eager prefill path
+        saved, runner.prefill_graphs = runner.prefill_graphs, None
+        try:
+            t = ttft(engine, fresh.take(ttft_runs, prompt_len))
+        finally:
+            runner.prefill_graphs = saved
+        results["ttft_128_ms_eager_prefill"] = t["ms"]
+        results["ttft_128_eager_prefill_prefix_cache_hit_rate"] = t["prefix_cache_hit_rate"]
+    return {"bs1": single_stream(engine, fresh.take(bs1_prompts, prompt_len), output_len),
+            "c128": throughput(engine, fresh.take(concurrency, prompt_len), output_len)}
+
+
 def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     progress = Progress()
     t0 = time.perf_counter()
     tp = args.tensor_parallel_size
-    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=args.concurrency,
+    graph_max_bs = cuda_graph_max_bs(args)
+    engine = Engine(EngineConfig(model=str(model_dir), device="cuda", cuda_graph_max_bs=graph_max_bs,
                                  max_num_seqs=max(256, args.concurrency), quantization=args.quantization,
                                  tensor_parallel_size=tp,
                                  disable_custom_all_reduce=args.disable_custom_all_reduce), progress)
@@ -131,33 +205,26 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     results["decode_weight_bytes"] = decode_weight_bytes(runner.model)
     graphs = runner.graphs
     results["cuda_graph_memory_gib"] = graphs.memory_bytes / 2**30 if graphs else None
+    # the capture size the figure above was measured at (the default server's unless --cuda-graph-max-bs says)
+    results["cuda_graph_max_bs"] = graph_max_bs
+    results["cuda_graph_max_bs_captured"] = getattr(graphs, "max_bs", None) if graphs else None
     results["kv_cache_tokens"] = engine.pool.num_blocks * engine.pool.block_size
-    prompts = random_prompts(3, 128, vocab, 0)
-    run_requests(engine, prompts[:1], 8)   # warm-up
-    one = random_prompts(1, 128, vocab, 1)
-    ttfts = [run_requests(engine, one, 1)["ttft_s"][0] for _ in range(5)]
-    results["ttft_128_ms"] = 1000 * sorted(ttfts)[2]
-    results["prefill_graphs"] = runner.prefill_graphs is not None
-    # With tensor parallelism rank 0's runner is a DriverRunner: switching its graphs or backend off here would
-    # not reach the other ranks (nor its own inner runner), so only the default road is timed (as --graphs-only).
-    if runner.prefill_graphs is not None and tp == 1:   # the same prompt through the eager prefill path
-        saved, runner.prefill_graphs = runner.prefill_graphs, None
-        results["ttft_128_ms_eager_prefill"] = 1000 * sorted(
-            run_requests(engine, one, 1)["ttft_s"][0] for _ in range(5))[2]
-        runner.prefill_graphs = saved
-    conc = random_prompts(args.concurrency, 128, vocab, 2)
-    run_requests(engine, conc, 4)   # warm-up: Triton compiles the batched prefill shapes outside the timing
-
-    def throughput() -> dict:
-        r = run_requests(engine, conc, args.output_len)
-        return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"],
-                "ttft_p50_ms": 1000 * r["ttft_s"][len(r["ttft_s"]) // 2]}
-
+    # Every timed prompt is new (distinct first tokens: no prefix shared with anything sent before, warm-up
+    # included); each figure carries its prefix-cache hit rate.
+    fresh = FreshPrompts(vocab, seed=0)
     variants = {}
-    variants[f"{runner.backend.name}+graphs" if graphs else runner.backend.name] = {
-        "bs1": single_stream(engine, prompts, args.output_len), "c128": throughput()}
+    variants[f"{runner.backend.name}+graphs" if graphs else runner.backend.name] = default_road(
+        engine, fresh, results, concurrency=args.concurrency, output_len=args.output_len, eager_prefill=tp == 1)
+    results["workload"] = {"prompt_len": PROMPT_LEN, "output_len": args.output_len, "concurrency": args.concurrency,
+                           "bs1_prompts": BS1_PROMPTS, "ttft_runs": TTFT_RUNS,
+                           "prompts": "random token ids, each new (distinct first token), warm-up included"}
     if args.prefix_bench and name_of(model_dir) in args.prefix_bench.split(","):
         results["shared_prefix"] = prefix_cache_bench(engine, vocab)
+
+    def other_road() -> dict:
+        return {"bs1": single_stream(engine, fresh.take(BS1_PROMPTS, PROMPT_LEN), args.output_len),
+                "c128": throughput(engine, fresh.take(args.concurrency, PROMPT_LEN), args.output_len)}
+
     prefill_graphs = runner.prefill_graphs
     if getattr(args, "graphs_only", False) or tp > 1:   # the default road only: no eager or other-backend variants
         results["kestrel"] = variants
@@ -165,8 +232,7 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
         return
     if graphs:
         runner.graphs = runner.prefill_graphs = None
-        variants[f"{runner.backend.name} eager"] = {"bs1": single_stream(engine, prompts, args.output_len),
-                                                   "c128": throughput()}
+        variants[f"{runner.backend.name} eager"] = other_road()
     from kestrel.attention.select import available_backends, select_backend
     main_backend = runner.backend
     from kestrel.models.llama import Attention
@@ -181,9 +247,9 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
                 for m in attention:
                     m.prologue = None
             # A JIT-compiling backend (FlashInfer) builds its kernels at first use: not inside the timing.
-            run_requests(engine, prompts[:1], 4)
+            run_requests(engine, fresh.take(1, PROMPT_LEN), 4)
             # One prompt, 64 tokens: enough for a per-token rate at the slow backends' speed.
-            variants[f"{name} eager"] = {"bs1": single_stream(engine, prompts[:1], 64)}
+            variants[f"{name} eager"] = {"bs1": single_stream(engine, fresh.take(1, PROMPT_LEN), 64)}
         except Exception as exc:  # an optional backend failing must not lose the other numbers
             variants[f"{name} eager"] = {"error": repr(exc)[:300]}
     runner.backend = main_backend
@@ -194,6 +260,15 @@ def bench_kestrel(model_dir: Path, vocab: int, args, results: dict) -> None:
     del engine, runner, graphs, prefill_graphs, main_backend
     gc.collect()
     torch.cuda.empty_cache()
+
+
+def cuda_graph_max_bs(args) -> int:
+    """The decode graphs' capture size: --cuda-graph-max-bs, else the default server's (EngineConfig's, 256) or
+    the concurrency where that is larger, so the graph memory reported is the default server's."""
+    if getattr(args, "cuda_graph_max_bs", None):
+        return args.cuda_graph_max_bs
+    default = next(f.default for f in dataclasses.fields(EngineConfig) if f.name == "cuda_graph_max_bs")
+    return max(default, args.concurrency)
 
 
 def name_of(model_dir: Path) -> str:
@@ -220,7 +295,8 @@ def prefix_cache_bench(engine: Engine, vocab: int, groups: int = 32, per_group: 
         out[label] = {"ttft_p50_ms": 1000 * ttfts[len(ttfts) // 2], "ttft_p90_ms": 1000 * ttfts[int(len(ttfts) * 0.9)],
                       "output_tok_s": r["output_tokens"] / r["wall_s"],
                       "total_tok_s": (r["output_tokens"] + sum(map(len, prompts))) / r["wall_s"],
-                      "wall_s": r["wall_s"], "cached_prompt_tokens": prefix_cache.stats.hit_tokens - before}
+                      "wall_s": r["wall_s"], "cached_prompt_tokens": prefix_cache.stats.hit_tokens - before,
+                      "prefix_cache_hit_rate": r["prefix_cache_hit_rate"]}
     engine.prefix_cache = engine.scheduler.prefix_cache = cache
     out["workload"] = f"{groups} groups x {per_group} requests, {prefix_len}-token shared prefix + {suffix_len} " \
                       f"own tokens, {output_len} output tokens, all submitted at once"
@@ -274,6 +350,9 @@ def build_parser() -> argparse.ArgumentParser:
     ap.add_argument("--fp8-checkpoint", default=None, choices=sorted(FP8_CHECKPOINTS),
                     help="bench an FP8 checkpoint written from each random one: block (HF fp8, 128x128 tiles) or "
                     "channel (compressed-tensors, per output channel); the HF peer stays bf16")
+    ap.add_argument("--cuda-graph-max-bs", type=int, default=None, metavar="N",
+                    help="capture decode graphs up to batch N (default: the server's default, 256, or --concurrency "
+                    "where larger): the CUDA graph memory is measured at this size, written beside it")
     ap.add_argument("--tensor-parallel-size", type=int, default=1, metavar="N",
                     help="Kestrel on N GPUs (rank 0's process is the benchmark's; the default road only, as "
                     "--graphs-only; the HF peer stays on one GPU)")
@@ -351,7 +430,8 @@ def child_command(args, name: str, system: str, out: Path, workdir: str) -> list
         + (["--quantization", args.quantization] if args.quantization else []) \
         + (["--tensor-parallel-size", str(args.tensor_parallel_size)] if args.tensor_parallel_size != 1 else []) \
         + (["--disable-custom-all-reduce"] if args.disable_custom_all_reduce else []) \
-        + (["--fp8-checkpoint", args.fp8_checkpoint] if args.fp8_checkpoint else [])
+        + (["--fp8-checkpoint", args.fp8_checkpoint] if args.fp8_checkpoint else []) \
+        + (["--cuda-graph-max-bs", str(args.cuda_graph_max_bs)] if args.cuda_graph_max_bs else [])
 
 
 def bench_each_model_in_a_child(args) -> int:

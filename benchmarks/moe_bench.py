@@ -20,6 +20,9 @@ each stage, so a timeout keeps what was done):
                      KV read at the mean context; and the fraction of each that was reached
     KV bytes/token   the runner's cache layout, next to GQA / MHA of the same width
 
+Every prompt is new (kestrel/bench/fresh.py: no prefix shared with anything sent before, warm-ups included); bs1
+and c128 carry their prefix_cache_hit_rate.
+
 The fused Triton MoE is the dev switch KESTREL_FUSED_MOE=1 (kestrel/envs.py; on by default); without
 it the CUDA graphs run every expert on every token (layers/moe.py), which the JSON's "experts_impl" shows.
 """
@@ -35,9 +38,10 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import copy_bandwidth_bytes_per_s, random_prompts, run_requests, single_stream
+from benchmarks.engine_bench import copy_bandwidth_bytes_per_s, run_requests, single_stream
 from benchmarks.moe_roofline import gqa_kv_bytes_per_token, kv_bytes_per_token, moe_bytes, rooflines
 from benchmarks.shapes import SHAPES, write_config_only
+from kestrel.bench.fresh import FreshPrompts
 from kestrel.layers.moe import FusedExperts
 
 QUICK_SHAPE = "qwen3-moe-tiny"
@@ -188,11 +192,13 @@ def run(args: argparse.Namespace, report: dict, save) -> None:
     save()
 
     vocab = cfg.vocab_size
-    prompts = random_prompts(args.bs1_prompts + 1, args.prompt_len, vocab, 0)
+    # every prompt new (no prefix shared with anything sent before, warm-ups included): each timing's
+    # prefix_cache_hit_rate is 0.0 unless something went wrong
+    fresh = FreshPrompts(vocab, seed=0)
     say("bs1: warm-up")
-    run_requests(engine, prompts[:1], 8)
+    run_requests(engine, fresh.take(1, args.prompt_len), 8)
     say(f"bs1: {args.bs1_prompts} prompt(s) x {args.output_len} tokens")
-    report["bs1"] = single_stream(engine, prompts[1:], args.output_len)
+    report["bs1"] = single_stream(engine, fresh.take(args.bs1_prompts, args.prompt_len), args.output_len)
     report["bs1"]["fraction_of_roofline"] = report["bs1"]["decode_tok_s"] / report["roofline"]["bs1_roofline_tok_s"]
     say(f"bs1: {report['bs1']['decode_tok_s']:.1f} decode tok/s = "
         f"{report['bs1']['fraction_of_roofline']:.2f} of the roofline")
@@ -200,13 +206,14 @@ def run(args: argparse.Namespace, report: dict, save) -> None:
 
     if args.profile_steps:
         say(f"bs1: kernel profile of {args.profile_steps} decode steps")
-        report["bs1_kernel_profile"] = profile_decode(engine, prompts[1], args.profile_steps, args.device)
+        report["bs1_kernel_profile"] = profile_decode(engine, fresh.one(args.prompt_len), args.profile_steps,
+                                                      args.device)
         save()
 
-    conc = random_prompts(args.concurrency, args.prompt_len, vocab, 2)
     say(f"c{args.concurrency}: warm-up")
     # prompts of their own: the timed ones must not find their prefixes cached by the warm-up
-    run_requests(engine, random_prompts(args.concurrency, args.prompt_len, vocab, 3), 4)
+    run_requests(engine, fresh.take(args.concurrency, args.prompt_len), 4)
+    conc = fresh.take(args.concurrency, args.prompt_len)
     say(f"c{args.concurrency}: {args.concurrency} prompts x {args.output_len} tokens")
     r = run_requests(engine, conc, args.output_len)
     c = args.concurrency
@@ -219,7 +226,8 @@ def run(args: argparse.Namespace, report: dict, save) -> None:
                        "ttft_p50_ms": 1000 * r["ttft_s"][len(r["ttft_s"]) // 2],
                        "ttft_max_ms": 1000 * r["ttft_s"][-1], "decode_tok_s": decode_tok_s,
                        "fraction_of_roofline": decode_tok_s / roof if decode_tok_s else None,
-                       "output_fraction_of_roofline": tok_s / roof}
+                       "output_fraction_of_roofline": tok_s / roof,
+                       **{k: v for k, v in r.items() if k.startswith("prefix_cache_")}}
     say(f"c{c}: {tok_s:.1f} output tok/s (prefill included), {decode_tok_s or 0:.1f} decode tok/s after the last "
         f"first token = {report[f'c{c}']['fraction_of_roofline'] or 0:.2f} of the roofline")
     save()

@@ -52,9 +52,14 @@ def model_table(name: str, res: dict) -> list[str]:
             v = sp[label]
             lines.append(f"| {label} | {fmt(v['ttft_p50_ms'])} | {fmt(v['ttft_p90_ms'])} | {fmt(v['output_tok_s'], 0)} "
                          f"| {fmt(v['total_tok_s'], 0)} | {v['cached_prompt_tokens']:,} |")
-    lines += ["", f"TTFT one 128-token prompt: {fmt(res.get('ttft_128_ms'), 2)} ms; startup to ready "
+    hit = res.get("ttft_128_prefix_cache_hit_rate")   # JSON before the fresh-prompt fix has none: said as unknown
+    ttft_how = (f" (median of {res.get('ttft_runs', 5)} fresh prompts, prefix-cache hit rate {hit:.2f})"
+                if hit is not None else " (prefix-cache hit rate not recorded)")
+    graph_bs = res.get("cuda_graph_max_bs")
+    graphs_at = f" (decode graphs to batch {graph_bs})" if graph_bs else ""
+    lines += ["", f"TTFT one 128-token prompt: {fmt(res.get('ttft_128_ms'), 2)} ms{ttft_how}; startup to ready "
               f"{fmt(res.get('startup_s'))} s ({phases}); CUDA graph memory "
-              f"{fmt(res.get('cuda_graph_memory_gib'), 2)} GiB.", ""]
+              f"{fmt(res.get('cuda_graph_memory_gib'), 2)} GiB{graphs_at}.", ""]
     return lines
 
 

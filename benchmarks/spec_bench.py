@@ -11,6 +11,10 @@ draft position passes; with K drafts, acceptance length L = 1 + p + ... + p^K pi
     the per-step time split of a fixed-depth step (draft, verify, bookkeeping), synchronized
     through `kestrel serve` (--serve): one stream, no speculation vs K-chain at L = 3
 
+Every timed run sends prompts of its own (none shares a prefix with anything sent before, warm-ups included),
+ignore_eos (the same output tokens with and without speculation), and its rows carry output_tokens and
+prefix_cache_hit_rate.
+
     python -m benchmarks.spec_bench --workdir /tmp/kestrel-bench --out spec.json [--serve]
 """
 from __future__ import annotations
@@ -26,8 +30,9 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import random_prompts, run_requests, single_stream
+from benchmarks.engine_bench import run_requests, single_stream
 from benchmarks.shapes import SHAPES, write_random_checkpoint
+from kestrel.bench.fresh import FreshPrompts
 from kestrel.config import EngineConfig
 from kestrel.engine.engine import Engine
 
@@ -73,38 +78,60 @@ def counters(engine: Engine) -> tuple[int, int, int]:
     return c.num_drafts, c.num_draft_tokens, c.num_accepted_tokens
 
 
-def c128(engine: Engine, vocab: int, output_len: int) -> dict:
-    conc = random_prompts(128, 128, vocab, 2)
-    r = run_requests(engine, conc, output_len)
-    return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"]}
+def c128(engine: Engine, prompts: list[list[int]], output_len: int) -> dict:
+    """Every prompt at once (128 of them on the GPU), output_len tokens each (ignore_eos): output tok/s, the output
+    token count and the prompts' prefix-cache hit rate."""
+    r = run_requests(engine, prompts, output_len)
+    return {"output_tok_s": r["output_tokens"] / r["wall_s"], "wall_s": r["wall_s"],
+            "output_tokens": r["output_tokens"],
+            **{k: v for k, v in r.items() if k.startswith("prefix_cache_")}}
+
+
+def warm_up(engine: Engine, fresh: FreshPrompts, prompt_len: int, concurrency: int) -> None:
+    """One prompt alone, then `concurrency` at once: the timed runs' shapes, with prompts never sent again."""
+    run_requests(engine, fresh.take(1, prompt_len), 8)
+    run_requests(engine, fresh.take(concurrency, prompt_len), 4)
 
 
 def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_topk: int = 3,
-                  quick: bool = False) -> dict:
-    """quick: bs1 only (no speculation, fixed L = 3, adaptive L = 1.15, the tree at L = 3) for a short run."""
+                  quick: bool = False, *, device: str = "cuda", prompt_len: int = 128, concurrency: int = 128,
+                  bs1_prompts: int = 3) -> dict:
+    """quick: bs1 only (no speculation, fixed L = 3, adaptive L = 1.15, the tree at L = 3) for a short run.
+
+    Every timed run gets prompts of its own (FreshPrompts: no prefix shared with any prompt sent before, warm-ups
+    included), generates output_len tokens a prompt (ignore_eos: with and without speculation the same work), and
+    carries its output token count and prefix-cache hit rate. device / prompt_len / concurrency: the CPU test's
+    small sizes; the GPU run keeps the defaults."""
     vocab = json.loads((target / "config.json").read_text())["vocab_size"]
-    prompts = random_prompts(3, 128, vocab, 0)
-    out: dict = {}
-    common = dict(model=str(target), device="cuda", cuda_graph_max_bs=128, max_num_seqs=256)
+    fresh = FreshPrompts(vocab, seed=0)
+    out: dict = {"workload": {"prompt_len": prompt_len, "output_len": output_len, "concurrency": concurrency,
+                              "bs1_prompts": bs1_prompts, "ignore_eos": True,
+                              "prompts": "random token ids, each new (distinct first token), warm-ups included"}}
+    common = dict(model=str(target), device=device, cuda_graph_max_bs=128, max_num_seqs=max(256, concurrency))
+
+    def bs1(engine: Engine) -> dict:
+        return single_stream(engine, fresh.take(bs1_prompts, prompt_len), output_len)
+
+    def conc(engine: Engine) -> dict:
+        return c128(engine, fresh.take(concurrency, prompt_len), output_len)
 
     engine = Engine(EngineConfig(**common))
-    run_requests(engine, prompts[:1], 8)
-    run_requests(engine, random_prompts(128, 128, vocab, 2), 4)
-    out["plain"] = {"bs1": single_stream(engine, prompts, output_len)}
+    warm_up(engine, fresh, prompt_len, concurrency)
+    out["plain"] = {"bs1": bs1(engine)}
     if not quick:
-        out["plain"]["c128"] = c128(engine, vocab, output_len)
+        out["plain"]["c128"] = conc(engine)
     log.info("plain: %s", out["plain"])
     del engine
     gc.collect()
-    torch.cuda.empty_cache()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
 
     spec = {"method": "eagle3", "model": str(drafter), "num_speculative_tokens": k,
             "synthetic_acceptance_rate": 1.0}
     t0 = time.perf_counter()
     engine = Engine(EngineConfig(speculative_config=spec, **common))
     out["spec_startup_s"] = time.perf_counter() - t0
-    run_requests(engine, prompts[:1], 8)
-    run_requests(engine, random_prompts(128, 128, vocab, 2), 4)
+    warm_up(engine, fresh, prompt_len, concurrency)
     sd = engine.spec
 
     def variant(length: float, adaptive: bool, concurrent: bool = False) -> dict:
@@ -112,7 +139,7 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
         sd.policy.adaptive = adaptive
         before = counters(engine)
         row = {"target_length": length, "synthetic_rate": sd.synthetic_rate, "adaptive": adaptive}
-        row.update(c128(engine, vocab, output_len) if concurrent else single_stream(engine, prompts, output_len))
+        row.update(conc(engine) if concurrent else bs1(engine))
         row.update(acceptance(engine, before))
         log.info("%s", row)
         return row
@@ -123,25 +150,28 @@ def bench_offline(target: Path, drafter: Path, k: int, output_len: int, tree_top
                                              for length in (3.0, 1.15)]
     sd.synthetic_rate, sd.policy.adaptive = rate_for_length(3.0, k), False
     sd.timing = {}
-    single_stream(engine, prompts[:1], output_len)
+    split = single_stream(engine, fresh.take(1, prompt_len), output_len)
     steps = sd.timing.pop("steps", 1)
     out["step_split_ms_L3"] = {name: 1000 * s / steps for name, s in sd.timing.items()}
     out["step_split_ms_L3"]["steps"] = steps
+    out["step_split_prefix_cache_hit_rate"] = split["prefix_cache_hit_rate"]
     sd.timing = None
     out["policy_step_times_ms"] = {f"{b}x{d}": round(1000 * t, 3) for (b, d), t in sd.policy.step_time.items()}
     engine = sd = None   # free the GPU for the tree engine
     gc.collect()
-    torch.cuda.empty_cache()
-    out["bs1_tree"] = bench_tree(common, spec, prompts, vocab, k, tree_topk, output_len, (3.0,) if quick else (2.0, 3.0))
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    out["bs1_tree"] = bench_tree(common, spec, fresh, prompt_len, bs1_prompts, k, tree_topk, output_len,
+                                 (3.0,) if quick else (2.0, 3.0))
     return out
 
 
-def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk: int, output_len: int,
-               lengths: tuple[float, ...]) -> list[dict]:
+def bench_tree(common: dict, spec: dict, fresh: FreshPrompts, prompt_len: int, bs1_prompts: int, k: int, topk: int,
+               output_len: int, lengths: tuple[float, ...]) -> list[dict]:
     """bs1 with a tree of K steps x topk candidates (forward/draft_tree.py); the synthetic mode accepts along its
     chain, so at a given acceptance length this is the chain's speed minus the cost of verifying the larger tree."""
     engine = Engine(EngineConfig(speculative_config=dict(spec, topk=topk), **common))
-    run_requests(engine, prompts[:1], 8)
+    run_requests(engine, fresh.take(1, prompt_len), 8)
     sd = engine.spec
     sd.policy.adaptive = False
     rows = []
@@ -150,7 +180,7 @@ def bench_tree(common: dict, spec: dict, prompts: list, vocab: int, k: int, topk
         before = counters(engine)
         row = {"target_length": length, "synthetic_rate": sd.synthetic_rate, "topk": topk,
                "draft_tokens": sd.tree.size}
-        row.update(single_stream(engine, prompts, output_len))
+        row.update(single_stream(engine, fresh.take(bs1_prompts, prompt_len), output_len))
         row.update(acceptance(engine, before))
         log.info("tree %s", row)
         rows.append(row)

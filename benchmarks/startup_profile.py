@@ -111,6 +111,7 @@ def main() -> None:
     graphs = setup.runner.graphs
     if graphs is not None:
         report["graph_memory_gib"] = round(graphs.memory_bytes / 2**30, 3)
+        report["cuda_graph_max_bs"] = getattr(graphs, "max_bs", None)   # the capture size it was measured at
     if profiler:
         stats = pstats.Stats(profiler)
         rows = sorted(stats.stats.items(), key=lambda kv: -kv[1][3])[:40]

@@ -51,13 +51,17 @@ def test_launch_kestrel_serve_then_single_and_peak(tmp_path, model_dir):
 def test_offline_runs_the_same_presets_in_process(tmp_path, model_dir, capsys):
     out = tmp_path / "offline.json"
     assert main(["bench", "offline", model_dir, "--device", "cpu", "--preset", "sweep", "--concurrency", "1,3",
-                 "--num-prompts", "3", "--input-len", "12", "--output-len", "3", "--output", str(out)]) == 0
+                 "--num-prompts", "3", "--input-len", "36", "--output-len", "3", "--output", str(out)]) == 0
     result = json.loads(out.read_text())
     assert result["kind"] == "offline" and [r["name"] for r in result["runs"]] == ["c=1", "c=3"]
     for run in result["runs"]:
         assert run["summary"]["completed"] == 3 and run["summary"]["total_output_tokens"] == 9
         assert run["summary"]["ttft_ms"]["p50"] > 0 and run["summary"]["itl_ms"]["p50"] > 0
         assert all(len(r["itl"]) == 2 for r in run["requests"])   # 3 tokens: 2 inter-token gaps each
+        # each run's hit rate, from the engine's counters: every run has prompts of its own (36 tokens: two
+        # cacheable blocks each, had a prompt been sent before)
+        assert run["prefix_cache"]["source"] == "engine" and run["prefix_cache"]["queries"] == 3 * 36
+        assert run["prefix_cache"]["hit_rate"] == 0.0
     starts = sorted(r["start"] for r in result["runs"][0]["requests"])
     assert starts[1] > 0   # c=1 is a closed loop: the second request waits for the first
     assert "c=3" in capsys.readouterr().out

@@ -13,7 +13,9 @@ from benchmarks.moe_roofline import expected_touched_experts
 @pytest.mark.parametrize("shape", ["qwen3-moe-tiny", "deepseek-v3-tiny"])
 def test_quick_run_reports_every_figure(tmp_path, shape):
     out = tmp_path / f"{shape}.json"
-    assert moe_bench.main(["--quick", "--shape", shape, "--out", str(out), "--workdir", str(tmp_path)]) == 0
+    # 40-token prompts: two cacheable blocks each, so a prompt sent twice would show as hits
+    assert moe_bench.main(["--quick", "--shape", shape, "--out", str(out), "--workdir", str(tmp_path),
+                           "--prompt-len", "40"]) == 0
     r = json.loads(out.read_text())
     assert r["load_format"] == "dummy" and r["device"] == "cpu" and "error" not in r
     assert r["experts_impl"].endswith("fused_experts_torch")
@@ -24,6 +26,10 @@ def test_quick_run_reports_every_figure(tmp_path, shape):
         assert figure > 0
     assert r["bs1"]["fraction_of_roofline"] == pytest.approx(r["bs1"]["decode_tok_s"] / roof["bs1_roofline_tok_s"])
     assert r[f"c{c}"]["output_tokens"] == c * r["workload"]["output_len"]
+    # every timed prompt new (the warm-ups' never re-sent): the hit rate is there and nothing hit
+    assert r["bs1"]["prefix_cache_hit_rate"] == 0.0 and r[f"c{c}"]["prefix_cache_hit_rate"] == 0.0
+    assert r[f"c{c}"]["prefix_cache_query_tokens"] == c * r["workload"]["prompt_len"]
+    assert r["bs1"]["output_tokens"] == r["workload"]["bs1_prompts"] * r["workload"]["output_len"]
     # bs1 reads k of E experts a sparse layer, c sequences at most all of them
     experts, k = (8, 2)
     assert roof["active_weight_bytes_per_token"] == round(r["weight_bytes"] - r["expert_bytes"] * (1 - k / experts)

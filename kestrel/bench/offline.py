@@ -2,7 +2,8 @@
 
 Concurrency c is a true closed loop: c requests are in flight, and each one that finishes is replaced by the next
 at once, between two engine steps; with no concurrency every prompt is submitted at the start. TTFT, ITL (per
-token) and E2E are timed around the engine's steps, on the same clock as the server benchmark.
+token) and E2E are timed around the engine's steps, on the same clock as the server benchmark; each run's
+prefix_cache (hit rate of its prompt tokens, from Engine.stats()) is the server benchmark's, from the engine.
 """
 from __future__ import annotations
 
@@ -77,6 +78,19 @@ def _closed_loop(engine, prompt_ids: list[list[int]], params: list, concurrency:
     return [r for r in rows if r is not None], time.perf_counter() - run_start
 
 
+def engine_prefix_cache_stats(before, after) -> dict[str, Any]:
+    """The prefix-cache hit rate of one run from Engine.stats() before and after it, in the shape `kestrel bench
+    serve` gives from /metrics (server_info.prefix_cache_stats), so reports read both alike."""
+    queries = after.prefix_cache_queries - before.prefix_cache_queries
+    hits = after.prefix_cache_hits - before.prefix_cache_hits
+
+    def cumulative(s) -> float | None:
+        return s.prefix_cache_hits / s.prefix_cache_queries if s.prefix_cache_queries else None
+
+    return {"source": "engine", "queries": queries, "hits": hits, "hit_rate": hits / queries if queries > 0 else None,
+            "hit_rate_before": cumulative(before), "hit_rate_after": cumulative(after)}
+
+
 def run_offline_benchmark(cfg: OfflineConfig) -> dict[str, Any]:
     from kestrel import LLM, SamplingParams
 
@@ -91,9 +105,12 @@ def run_offline_benchmark(cfg: OfflineConfig) -> dict[str, Any]:
                   for r in spec.requests]
         prompt_ids = [llm.tokenizer.encode(r.prompt) if isinstance(r.prompt, str) else list(r.prompt)
                       for r in spec.requests]
+        before = llm.engine.stats()
         rows, duration = _closed_loop(llm.engine, prompt_ids, params, spec.concurrency)
+        after = llm.engine.stats()
         results.append({"name": spec.name, "concurrency": spec.concurrency, "request_rate": None, "stream": False,
-                        "num_requests": len(rows), "summary": summarize(rows, duration), "spec_decode": None,
+                        "num_requests": len(rows), "summary": summarize(rows, duration),
+                        "prefix_cache": engine_prefix_cache_stats(before, after), "spec_decode": None,
                         "requests": rows})
     model = llm.config.model_name
     return {"format": RESULT_FORMAT, "kind": "offline", "label": cfg.label or f"{model} (offline)",
