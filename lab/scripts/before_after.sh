@@ -20,6 +20,8 @@ for t in base cur; do
   cp -r benchmarks models /tmp/trees/$t/
 done
 cp -r .baseline/kestrel /tmp/trees/base/; cp -r kestrel /tmp/trees/cur/
+# the benchmarks' fresh-prompt helper (pure Python) is newer than some baselines: the same method on both trees
+[ -f /tmp/trees/base/kestrel/bench/fresh.py ] || cp kestrel/bench/fresh.py /tmp/trees/base/kestrel/bench/
 BASE_COMMIT=$(cat .baseline/COMMIT 2>/dev/null || echo "?"); CUR_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu · cur $CUR_COMMIT · base $BASE_COMMIT" | tee "$O/steps.txt"
