@@ -9,12 +9,15 @@ from kestrel.errors import KestrelError
 # so seed + n - 1 must fit as well.
 SEED_MIN, SEED_MAX = -(2**63), 2**63 - 1
 TOP_K_MAX = 2**31 - 1      # the sampler packs top_k through a float32 tensor; larger values mean "off" anyway
+# A temperature at or below this is greedy (the argmax): the request's flag, the sampler, speculative verification
+# and the engine's greedy fast paths all decide with this one number, so they never disagree on a row.
+GREEDY_TEMPERATURE = 1e-5
 
 
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16          # None: up to the model's context length
-    temperature: float = 1.0             # 0 means greedy
+    temperature: float = 1.0             # <= GREEDY_TEMPERATURE (0) means greedy
     top_p: float = 1.0
     top_k: int = -1                      # -1 or 0: off
     min_p: float = 0.0
@@ -36,7 +39,7 @@ class SamplingParams:
 
     @property
     def greedy(self) -> bool:
-        return self.temperature <= 1e-5
+        return self.temperature <= GREEDY_TEMPERATURE
 
     def validate(self) -> None:
         def bad(name: str, value: object, accepted: str) -> KestrelError:

@@ -1,4 +1,4 @@
-"""The step loop: schedule -> build ForwardBatch -> run -> sample -> update sequences.
+"""The step loop: schedule -> run -> sample (or verify drafts) -> commit the tokens to their sequences.
 
 The Engine is synchronous and owns the device; whoever calls step() (LLM.generate, or the engine core of
 `kestrel serve`, engine/core.py, in its own process) is the only thread touching the model.
@@ -15,16 +15,18 @@ import torch
 from kestrel.cache.block_pool import BlockPool
 from kestrel.cache.radix import NoPrefixCache, PrefixCache, RadixPrefixCache
 from kestrel.config import EngineConfig
+from kestrel.engine.commit import Committer
 from kestrel.engine.messages import EngineLimits, EngineStats, SampleUpdate, TokenLogprob  # noqa: F401
-from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, overlap_eligible,
+from kestrel.engine.overlap import (PLACEHOLDER, InflightDecode, blocks_to_grow, drop_tokens_from, overlap_eligible,
                                     steps_to_length_stop)
 from kestrel.engine.request import Sequence, SeqStatus
+from kestrel.engine.sampling_batches import SamplingBatchCache, sampling_batch
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.engine.speculation import SpeculativeDecoding
 from kestrel.forward.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.batch import SequenceChunk, build_forward_batch, previous_token
-from kestrel.forward.sampler import SamplingBatch, make_sampling_batch, sample, top_logprobs
+from kestrel.forward.sampler import sample, top_logprobs
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
@@ -65,22 +67,28 @@ class Engine:
                                           else RadixPrefixCache(self.pool))
         self.scheduler = Scheduler(self.pool, self.prefix_cache, config.max_num_seqs,
                                    config.max_num_batched_tokens)
-        self.eos_token_ids = frozenset(self.tokenizer.eos_token_ids)
         self.requests: dict[str, list[Sequence]] = {}
+        # every step's tokens reach their sequences through here (commit.py), with the stop rules
+        self.committer = Committer(self.scheduler, self.requests, frozenset(self.tokenizer.eos_token_ids),
+                                   self.max_model_len)
         self._seq_ids = itertools.count()
         self._pending: list[SampleUpdate] = []   # finishes decided outside step() (abort, stop strings)
         self.prompt_tokens_total = 0
-        self.generation_tokens_total = 0
         self._evictable, self._evictable_at = 0, float("-inf")   # stats(): cached radix-tree count
         # The overlap schedule (engine/overlap.py): at most one decode step launched and not yet read back.
         self._inflight: InflightDecode | None = None
-        self._sampling_cache: tuple[tuple[int, ...], SamplingBatch] | None = None   # see _overlap_sampling_batch
+        # the overlap schedule's and the verify steps' sampling settings, kept while the rows stay the same
+        self._sampling_batches = SamplingBatchCache(self.runner.device)
         self.spec: SpeculativeDecoding | None = None
         if config.speculative is not None:
             proposer = SpeculativeDecoding.build_proposer(config.speculative, self.runner, config.block_size,
                                                           setup.drafter, setup.drafter_kv,
                                                           setup.drafter_graphs)
-            self.spec = SpeculativeDecoding(self, config.speculative, proposer)
+            self.spec = SpeculativeDecoding(config.speculative, proposer, scheduler=self.scheduler,
+                                            runner=self.runner, committer=self.committer,
+                                            sampling_batches=self._sampling_batches,
+                                            max_model_len=self.max_model_len, block_size=config.block_size)
+            self.committer.on_forget = self.spec.forget
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.progress.ready()
@@ -121,10 +129,16 @@ class Engine:
             return
         inflight = self._inflight
         if inflight is not None and seq in inflight.seqs:   # its launched token is dropped, never reported
-            self._drop_tokens_from(seq, inflight.positions[inflight.seqs.index(seq)])
-        self.scheduler.finish(seq, reason)
-        self._pending.append(self._update(seq, [], None))
-        self._forget_if_done(seq.request_id)
+            drop_tokens_from(seq, inflight.positions[inflight.seqs.index(seq)])
+        self._pending.append(self.committer.finish(seq, reason))
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        return self.committer.eos_token_ids
+
+    @eos_token_ids.setter
+    def eos_token_ids(self, ids: frozenset[int]) -> None:
+        self.committer.eos_token_ids = ids
 
     # ---- the step ----------------------------------------------------------------------------------------
     def has_unfinished(self) -> bool:
@@ -151,7 +165,7 @@ class Engine:
             return updates + self._resolve_inflight()
         decode = plan.num_tokens == len(plan.scheduled) and all(s.completes_prompt for s in plan.scheduled)
         if speculate and decode:
-            return updates + self.spec.step(plan.scheduled, started)
+            return updates + self._verify_step(plan.scheduled, started)
         graph_decode = decode and self.runner.decodes_in_graph(len(plan.scheduled))
         # continuing: _can_continue_overlap already checked these rows are eligible
         if graph_decode and self._overlap_enabled() \
@@ -168,13 +182,20 @@ class Engine:
         self._mark_computed(plan.scheduled)
         sampling = [s for s in plan.scheduled if s.completes_prompt]
         if sampling:   # the output's logits rows are exactly these (graph roads: every row completes its prompt)
-            updates += self._sample_and_update(sampling, output.logits, output.tokens)
+            updates += self._sample_and_commit(sampling, output.logits, output.tokens)
         if self.spec is not None:
             if decode:
                 self._record_plain_step(len(plan.scheduled))
             else:
                 self.spec.observe_plain_step(plan.scheduled, output)
         return updates
+
+    def _verify_step(self, rows: list[ScheduledSeq], started: float) -> list[SampleUpdate]:
+        """A speculative step (engine/speculation.py): each row's chunk carries its drafts; the verifier keeps the
+        accepted run and commits it."""
+        proposal = self.spec.propose(rows, started)
+        output = self.runner.execute(proposal.chunks)
+        return self.spec.verify(proposal, output)
 
     def _record_plain_step(self, batch_size: int) -> None:
         if self.spec is not None:
@@ -201,7 +222,8 @@ class Engine:
 
     def _overlap_ok(self, seq: Sequence) -> bool:
         p = seq.params
-        return overlap_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(self.eos_token_ids)))
+        eos = self.committer.eos_token_ids
+        return overlap_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(eos)))
 
     def _can_continue_overlap(self, inflight: InflightDecode) -> bool:
         """Whether the next step is again an eligible graph decode of exactly the launched rows, with blocks to grow
@@ -228,7 +250,7 @@ class Engine:
         tokens = output.tokens
         if not all(seq.params.greedy for seq in seqs):
             # Sampled rows: draw on the device and put the draws where the next launch and the read-back look.
-            tokens.copy_(sample(output.logits, self._overlap_sampling_batch(seqs)))
+            tokens.copy_(sample(output.logits, self._sampling_batches.get(seqs)))
             self.runner.share_sampled_tokens(tokens)   # other ranks read the next step's tokens from theirs
         host_tokens, done = self.runner.graphs.read_back_async(tokens)
         self._mark_computed(rows)
@@ -239,49 +261,18 @@ class Engine:
         self._inflight = InflightDecode(seqs, positions, host_tokens, done)
         return self._resolve(previous) if previous is not None else []
 
-    def _overlap_sampling_batch(self, seqs: list[Sequence]) -> SamplingBatch:
-        """The rows' sampling settings on the device, built once per set of rows: a continuing overlap launches
-        the same rows step after step, and a host-to-device copy per step would cost more than the sampling."""
-        key = tuple(seq.seq_id for seq in seqs)
-        if self._sampling_cache is None or self._sampling_cache[0] != key:
-            params = [seq.params for seq in seqs]
-            batch = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
-                                        [p.top_p for p in params], [p.min_p for p in params],
-                                        [seq.generator for seq in seqs], 0, self.runner.device)
-            self._sampling_cache = (key, batch)
-        return self._sampling_cache[1]
-
     def _resolve_inflight(self) -> list[SampleUpdate]:
         inflight, self._inflight = self._inflight, None
         return self._resolve(inflight) if inflight is not None else []
 
     def _resolve(self, inflight: InflightDecode) -> list[SampleUpdate]:
-        """Write a launched step's tokens over their placeholders and apply the stop checks."""
+        """Commit a launched step's tokens over their placeholders (a stop discards the step launched after it)."""
         tokens = inflight.tokens()
         now = time.monotonic()
-        updates = []
-        for seq, pos, token in zip(inflight.seqs, inflight.positions, tokens):
-            if seq.is_finished:   # aborted, or stopped by a string, after the launch
-                continue
-            seq.output_token_ids[pos] = token
-            self.generation_tokens_total += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
-            reason = self._stop_reason(seq, token, num_out=pos + 1)
-            if reason is not None:
-                self._drop_tokens_from(seq, pos + 1)   # a step launched after this one is discarded
-                self.scheduler.finish(seq, reason)
-            updates.append(self._update(seq, [token], None))
-            if reason is not None:
-                self._forget_if_done(seq.request_id)
-        return updates
-
-    @staticmethod
-    def _drop_tokens_from(seq: Sequence, index: int) -> None:
-        """Forget output tokens from `index` on (placeholders of launched steps); their KV slots are simply
-        never read."""
-        del seq.output_token_ids[index:]
-        seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+        commit = self.committer.commit
+        return [commit(seq, [token], None, now, at=pos)
+                for seq, pos, token in zip(inflight.seqs, inflight.positions, tokens)
+                if not seq.is_finished]   # aborted, or stopped by a string, after the launch
 
     def _mark_computed(self, scheduled: list[ScheduledSeq]) -> None:
         for s in scheduled:
@@ -289,89 +280,34 @@ class Engine:
             if s.completes_prompt and s.seq.num_output_tokens == 0:
                 self.scheduler.cache_prompt(s.seq)
 
-    def _sample_and_update(self, rows: list[ScheduledSeq], logits: torch.Tensor,
+    def _sample_and_commit(self, rows: list[ScheduledSeq], logits: torch.Tensor,
                            greedy_tokens: torch.Tensor | None = None) -> list[SampleUpdate]:
         seqs = [r.seq for r in rows]
         params = [s.params for s in seqs]
         wants_logprobs = any(p.logprobs is not None for p in params)
-        masked = self._mask_stops_before_min_tokens(seqs, logits)
+        masked = self.committer.mask_stops_under_min_tokens(seqs, logits)
         logprob_rows = None
         if greedy_tokens is not None and not masked and not wants_logprobs and all(p.greedy for p in params):
             token_list = greedy_tokens.tolist()   # computed inside the CUDA graph: no more device work
         else:
             max_logprobs = max((p.logprobs or 0) for p in params)
-            sb = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
-                                     [p.top_p for p in params], [p.min_p for p in params],
-                                     [s.generator for s in seqs], max_logprobs, logits.device)
-            tokens = sample(logits, sb)
+            tokens = sample(logits, sampling_batch(seqs, max_logprobs, logits.device))
             if wants_logprobs:
                 chosen, top_vals, top_ids = top_logprobs(logits, tokens, max_logprobs)
                 logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
             token_list = tokens.tolist()   # the one device->host sync of the step
         now = time.monotonic()
         updates = []
+        commit = self.committer.commit
         for i, seq in enumerate(seqs):
             token = token_list[i]
-            seq.output_token_ids.append(token)
-            self.generation_tokens_total += 1
-            if seq.first_token_time is None:
-                seq.first_token_time = now
             lp = None
             if logprob_rows is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 lp = [TokenLogprob(token, logprob_rows[0][i],
                                    list(zip(logprob_rows[2][i][:k], logprob_rows[1][i][:k])))]
-            reason = self._stop_reason(seq, token)
-            if reason is not None:
-                self.scheduler.finish(seq, reason)
-            updates.append(self._update(seq, [token], lp))
-            if reason is not None:
-                self._forget_if_done(seq.request_id)
+            updates.append(commit(seq, [token], lp, now))
         return updates
-
-    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor) -> bool:
-        """Forbid EOS / stop tokens for samples still under min_tokens; returns whether anything was masked."""
-        masked = False
-        for row, seq in enumerate(seqs):
-            banned = self.stop_tokens_under_min_tokens(seq)
-            if banned and seq.num_output_tokens < seq.params.min_tokens:
-                logits[row, banned] = float("-inf")
-                masked = True
-        return masked
-
-    def stop_tokens_under_min_tokens(self, seq: Sequence) -> list[int]:
-        """The tokens a sample may not draw while it has fewer than min_tokens outputs (none without min_tokens)."""
-        p = seq.params
-        if not p.min_tokens:
-            return []
-        return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
-
-    def _stop_reason(self, seq: Sequence, token: int, num_out: int | None = None) -> str | None:
-        """Why the sequence stops after `token`, its num_out-th output token (default: the last one)."""
-        p = seq.params
-        num_out = len(seq.output_token_ids) if num_out is None else num_out
-        if num_out >= p.min_tokens:
-            if not p.ignore_eos and token in self.eos_token_ids:
-                return "stop"
-            if token in p.stop_token_ids:
-                return "stop"
-        if p.max_tokens is not None and num_out >= p.max_tokens:
-            return "length"
-        if num_out + len(seq.prompt_token_ids) >= self.max_model_len:
-            return "length"
-        return None
-
-    def _update(self, seq: Sequence, tokens: list[int], logprobs: list[TokenLogprob] | None) -> SampleUpdate:
-        return SampleUpdate(seq.request_id, seq.index, tokens, logprobs, seq.is_finished, seq.finish_reason,
-                            seq.num_prompt_tokens, seq.num_cached_tokens)
-
-    def _forget_if_done(self, request_id: str) -> None:
-        seqs = self.requests.get(request_id)
-        if seqs is not None and all(s.is_finished for s in seqs):
-            del self.requests[request_id]
-            if self.spec is not None:
-                for seq in seqs:
-                    self.spec.forget(seq.seq_id)
 
     @torch.inference_mode()
     def prompt_logits(self, token_ids: list[int]) -> torch.Tensor:
@@ -403,7 +339,8 @@ class Engine:
             num_running=len(self.scheduler.running), num_waiting=len(self.scheduler.waiting),
             kv_cache_usage=used / self.pool.num_blocks, num_used_blocks=used,
             num_total_blocks=self.pool.num_blocks, num_preemptions=self.scheduler.num_preemptions,
-            prompt_tokens_total=self.prompt_tokens_total, generation_tokens_total=self.generation_tokens_total,
+            prompt_tokens_total=self.prompt_tokens_total,
+            generation_tokens_total=self.committer.generation_tokens_total,
             prefix_cache_queries=pc.query_tokens, prefix_cache_hits=pc.hit_tokens,
             **self._spec_stats(),
         )

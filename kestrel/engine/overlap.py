@@ -61,6 +61,13 @@ def overlap_eligible(seq: Sequence, eos_banned: bool) -> bool:
     return not (p.min_tokens and seq.num_output_tokens < p.min_tokens and eos_banned)
 
 
+def drop_tokens_from(seq: Sequence, index: int) -> None:
+    """Forget output tokens from `index` on (placeholders of launched steps); their KV slots are simply never
+    read."""
+    del seq.output_token_ids[index:]
+    seq.num_computed_tokens = min(seq.num_computed_tokens, seq.num_tokens)
+
+
 def blocks_to_grow(seq: Sequence, block_size: int) -> int:
     """Blocks the sequence needs before its next single-token step."""
     return max(0, -(-seq.num_tokens // block_size) - len(seq.block_ids))

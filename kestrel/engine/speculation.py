@@ -16,20 +16,26 @@ by the proposer inside its drafting launch (Proposer.verify_greedy_and_draft): n
 step, which is what a small target's 0.5 ms step can afford; other steps verify here, then call observe.
 The depth of each step, and whether a sequence drafts at all, comes from speculative/adaptive.py's measured
 goodput, so a step that would not pay decodes plainly (and may use the overlap schedule).
+
+The engine runs the step: propose() gives the chunks, the engine executes them, verify() keeps each sequence's
+accepted run and hands it to the engine's Committer (engine/commit.py), as a plain step hands its sample.
 """
 from __future__ import annotations
 
 import logging
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+from kestrel.engine.commit import Committer
 from kestrel.engine.messages import SampleUpdate, TokenLogprob
 from kestrel.engine.request import Sequence
-from kestrel.engine.scheduler import ScheduledSeq
+from kestrel.engine.sampling_batches import SamplingBatchCache
+from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.batch import ForwardOutput, SequenceChunk
-from kestrel.forward.sampler import make_sampling_batch, top_logprobs
+from kestrel.forward.sampler import top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
 from kestrel.speculative_config import SpeculativeConfig
 from kestrel.speculative.ngram import NgramProposer
@@ -37,6 +43,9 @@ from kestrel.batch import ComputedRows
 from kestrel.speculative.proposer import Proposer
 from kestrel.forward.draft_tree import draft_tree
 from kestrel.speculative.verify import verify_chain, verify_tree
+
+if TYPE_CHECKING:
+    from kestrel.forward.runner import ModelRunner
 
 logger = logging.getLogger("kestrel.speculative")
 
@@ -61,12 +70,30 @@ class SpecCounters:
             self.accepted_per_pos[j] += 1
 
 
-class SpeculativeDecoding:
-    """The engine's speculative steps: owned by the Engine, which calls wants_step() before scheduling and
-    step() for a step of decodes, and observe_plain_step() after every other step."""
+@dataclass(slots=True)
+class Proposal:
+    """A verify step's chunks (each sequence's last token, then its drafts or tree nodes) and the drafts in them."""
+    seqs: list[Sequence]
+    chunks: list[SequenceChunk]
+    drafts: list[list[int]]   # a chain's drafts, or a tree's node tokens ([]: the sequence does not draft)
 
-    def __init__(self, engine, config: SpeculativeConfig, proposer: Proposer) -> None:
-        self.engine = engine
+
+class SpeculativeDecoding:
+    """The engine's speculative steps: owned by the Engine, which calls wants_step() before scheduling, for a
+    step of decodes propose(), runs the chunks and calls verify(), and observe_plain_step() after every other
+    step; step_done() ends every step. It reaches the engine only through what it is given: the scheduler (for
+    blocks), the runner (verify graphs, the KV cache), the committer and the sampling-batch cache."""
+
+    def __init__(self, config: SpeculativeConfig, proposer: Proposer, *, scheduler: Scheduler,
+                 runner: ModelRunner, committer: Committer, sampling_batches: SamplingBatchCache,
+                 max_model_len: int, block_size: int) -> None:
+        self.scheduler = scheduler
+        self.runner = runner
+        self.device = runner.device
+        self.committer = committer
+        self.sampling_batches = sampling_batches
+        self.max_model_len = max_model_len
+        self.block_size = block_size
         self.config = config
         self.max_depth = config.num_speculative_tokens
         self.proposer = proposer
@@ -86,7 +113,6 @@ class SpeculativeDecoding:
         self._this_step: tuple[int, int] | None = None   # (batch size, depth) of the step being run, if timed
         self._last_end = None          # the previous step's end: a CUDA event (GPU) or perf_counter seconds
         self._periods: list = []       # (begin event, end event, (batch size, depth)) not yet finished
-        self._sampling_cache: tuple[tuple, object] | None = None   # see _sampling_batch
 
     @staticmethod
     def build_proposer(config: SpeculativeConfig, runner, block_size: int, drafter, drafter_kv,
@@ -102,7 +128,7 @@ class SpeculativeDecoding:
     def _room(self, seq: Sequence) -> int:
         """Drafts the sequence may still use: a verify step makes at most depth + 1 tokens."""
         p = seq.params
-        room = self.engine.max_model_len - seq.num_tokens
+        room = self.max_model_len - seq.num_tokens
         left = room if p.max_tokens is None else min(room, p.max_tokens - seq.num_output_tokens)
         if self.tree is not None:   # the whole tree or nothing: its nodes take cache slots past its depth
             return self.max_depth if left - 1 >= self.max_depth and room - 1 >= self.tree.size else 0
@@ -111,13 +137,13 @@ class SpeculativeDecoding:
     def wants_step(self) -> bool:
         """Whether the next step speculates: only decodes are running, nothing waits to be admitted, and the
         policy picks a depth > 0 for this batch."""
-        sched = self.engine.scheduler
+        sched = self.scheduler
         if sched.waiting or not sched.running:
             return False
         seqs = sched.running
         if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):   # a prompt is still being prefilled
             return False
-        graphs = self.engine.runner.verify_graphs
+        graphs = self.runner.verify_graphs
         if graphs is not None and len(seqs) > graphs.max_bs:   # past the verify graphs verification is
             return False                                       # compute-bound: it never pays, not worth a try
         self._depth, per_seq = self.policy.choose([s.seq_id for s in seqs], [self._room(s) for s in seqs])
@@ -137,7 +163,7 @@ class SpeculativeDecoding:
         output processing), which is what a plain step hides under the overlap schedule and a verify step cannot
         (its time inside step() alone would flatter plain steps by the host work overlapped with them)."""
         key, self._this_step = self._this_step, None
-        if self.engine.device.type != "cuda":
+        if self.device.type != "cuda":
             now = time.perf_counter()
             if key is not None and self._last_end is not None:
                 self.policy.record_step(key[0], key[1], now - self._last_end)
@@ -153,8 +179,8 @@ class SpeculativeDecoding:
             self.policy.record_step(batch_size, depth, begin.elapsed_time(finish) / 1e3)
 
     # ---- the verify step -------------------------------------------------------------------------------------
-    def step(self, rows: list[ScheduledSeq], started: float) -> list[SampleUpdate]:
-        eng = self.engine
+    def propose(self, rows: list[ScheduledSeq], started: float) -> Proposal:
+        """The step's chunks: each sequence's last token and the drafts it is to verify (blocks grown for them)."""
         seqs = [r.seq for r in rows]
         wanted = [min(self._per_seq.get(seq.seq_id, 0), self._room(seq)) for seq in seqs]
         if self.tree is None:
@@ -162,17 +188,23 @@ class SpeculativeDecoding:
         else:
             chunks, drafts = self._tree_chunks(seqs, wanted)
         self._lap("propose", started)
-        output = eng.runner.execute(chunks)
+        return Proposal(seqs, chunks, drafts)
+
+    def verify(self, proposal: Proposal, output: ForwardOutput) -> list[SampleUpdate]:
+        """Verify the proposal's drafts against the target's `output`, commit each sequence's accepted run and the
+        target's token after it, and let the proposer follow."""
+        seqs, chunks, drafts = proposal.seqs, proposal.chunks, proposal.drafts
         if self._fusable(seqs):
             self._lap("verify")   # timed: the verify forward; the fused verification counts as drafting
             fused = self.proposer.verify_greedy_and_draft(chunks, drafts, output)
             if fused is not None:
-                return self._finish_fused(seqs, drafts, fused)
+                return self._commit_fused(seqs, drafts, fused)
         q = max(len(c.tokens) for c in chunks)
         offsets, logits = _uniform_rows(output.logits, [len(c.tokens) for c in chunks], q)   # row b * q + j
-        self._mask_stops_before_min_tokens(seqs, logits, q)
+        # row b * q + j draws output token num_output + depth of query j (a chain: j)
+        self.committer.mask_stops_under_min_tokens(seqs, logits, range(q) if self.tree is None else self._depths[:q])
         max_logprobs = max((seq.params.logprobs or 0) for seq in seqs)
-        sampling = self._sampling_batch(seqs, max_logprobs, logits.device)
+        sampling = self.sampling_batches.get(seqs, max_logprobs)
         if self.tree is None:
             accepted, out, paths = self._verify_chain(logits, drafts, q, sampling)
         else:
@@ -188,31 +220,30 @@ class SpeculativeDecoding:
             chosen, top_vals, top_ids = top_logprobs(logits.index_select(0, idx), toks, max_logprobs)
             logprob_rows = (chosen.tolist(), top_vals.tolist(), top_ids.tolist())
         updates, computed, at = [], [], 0
+        commit = self.committer.commit
         now = time.monotonic()
         for b, seq in enumerate(seqs):
             start = seq.num_computed_tokens
             new = out[b][:accepted[b] + 1]
-            kept, reason = self._append(seq, new, now)
             lp = None
             if logprob_rows is not None and seq.params.logprobs is not None:
                 k = seq.params.logprobs
                 lp = [TokenLogprob(new[j], logprob_rows[0][at + j],
                                    list(zip(logprob_rows[2][at + j][:k], logprob_rows[1][at + j][:k])))
-                      for j in range(kept)]
+                      for j in range(len(new))]
             at += accepted[b] + 1
             self.counters.record(num_drafts[b], accepted[b])
             self.policy.record_acceptance(seq.seq_id, num_drafts[b], accepted[b])
-            if reason is not None:
-                eng.scheduler.finish(seq, reason)
+            update = commit(seq, new, lp, now, verified=True)
+            if update.finished:
                 self.forget(seq.seq_id)
             else:
                 # the K/V of the kept tokens sit at start .. start + kept - 1 (a tree's were moved there); the
                 # hidden state of each is at its query row
+                kept = len(update.new_token_ids)
                 hidden = [offsets[b] + paths[b][j] for j in range(kept)]
                 computed.append(self._computed_rows(seq, start, kept, offsets[b], hidden))
-            updates.append(eng._update(seq, new[:kept], lp))
-            if reason is not None:
-                eng._forget_if_done(seq.request_id)
+            updates.append(update)
         self._lap("bookkeeping")
         self.proposer.observe(computed, output)
         self._lap("draft")
@@ -225,79 +256,46 @@ class SpeculativeDecoding:
         row greedy, without logprobs or a min_tokens ban (those need the logits on the host's terms)."""
         if self.tree is not None or self.synthetic_rate is not None:
             return False
-        eng = self.engine
+        banned = self.committer.stop_tokens_under_min_tokens
         return all(seq.params.greedy and seq.params.logprobs is None
-                   and not (seq.num_output_tokens < seq.params.min_tokens and eng.stop_tokens_under_min_tokens(seq))
+                   and not (seq.num_output_tokens < seq.params.min_tokens and banned(seq))
                    for seq in seqs)
 
-    def _finish_fused(self, seqs: list[Sequence], drafts: list[list[int]],
+    def _commit_fused(self, seqs: list[Sequence], drafts: list[list[int]],
                       fused: list[tuple[int, list[int], list[list[int]]]]) -> list[SampleUpdate]:
-        """The bookkeeping of a step the proposer verified and drafted after (verify_greedy_and_draft)."""
-        eng = self.engine
+        """Commit a step the proposer verified and drafted after (verify_greedy_and_draft)."""
         self._lap("draft")   # verified on the device and drafted in one launch, read back once
         updates = []
+        commit = self.committer.commit
         now = time.monotonic()
         for seq, d, (accepted, new, steps) in zip(seqs, drafts, fused):
-            kept, reason = self._append(seq, new, now)
             self.counters.record(len(d), accepted)
             self.policy.record_acceptance(seq.seq_id, len(d), accepted)
-            if reason is not None:
-                eng.scheduler.finish(seq, reason)
+            update = commit(seq, new, None, now, verified=True)
+            if update.finished:
                 self.forget(seq.seq_id)
             else:
                 self.proposer.keep_drafts(seq.seq_id, seq.num_tokens, steps[:self._next_depth(seq)])
-            updates.append(eng._update(seq, new[:kept], None))
-            if reason is not None:
-                eng._forget_if_done(seq.request_id)
+            updates.append(update)
         self._lap("bookkeeping")
         if any(drafts):
             self._this_step = (len(seqs), max(len(d) for d in drafts))
         return updates
 
-    def _append(self, seq: Sequence, new: list[int], now: float) -> tuple[int, str | None]:
-        """Append a verify step's new tokens up to the first stop: (how many were kept, the stop reason)."""
-        eng = self.engine
-        start = seq.num_computed_tokens
-        kept, reason = 0, None
-        for token in new:
-            seq.output_token_ids.append(token)
-            kept += 1
-            reason = eng._stop_reason(seq, token)
-            if reason is not None:
-                break
-        eng.generation_tokens_total += kept
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-        seq.num_computed_tokens = start + kept   # x and the kept drafts; the last new token is not computed
-        return kept, reason
-
-    def _sampling_batch(self, seqs: list[Sequence], max_logprobs: int, device: torch.device):
-        """The rows' sampling settings on the device, made once per set of rows (as the overlap schedule's): a
-        bs1 stream verifies the same rows step after step, and the copy costs more than the verification."""
-        key = (tuple(seq.seq_id for seq in seqs), max_logprobs)
-        if self._sampling_cache is None or self._sampling_cache[0] != key:
-            params = [seq.params for seq in seqs]
-            batch = make_sampling_batch([p.temperature for p in params], [p.top_k for p in params],
-                                        [p.top_p for p in params], [p.min_p for p in params],
-                                        [seq.generator for seq in seqs], max_logprobs, device)
-            self._sampling_cache = (key, batch)
-        return self._sampling_cache[1]
-
     def _chain_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
         """Each sequence's verify chunk [last token, d1 .. dk], and its drafts."""
-        eng = self.engine
         drafts = []
         for seq, k in zip(seqs, wanted):
             d = self.proposer.drafts(seq, k) if k else []
             if self.synthetic_rate is not None and k:
                 d = (d + [0] * k)[:k]   # the benchmark mode drafts every position, guessed or not
-            if d and not eng.scheduler.grow(seq, seq.num_tokens + len(d)):
+            if d and not self.scheduler.grow(seq, seq.num_tokens + len(d)):
                 d = []
             drafts.append(d)
         width = max(len(d) for d in drafts)
-        graphs = eng.runner.verify_graphs
+        graphs = self.runner.verify_graphs
         if graphs is not None and 0 < width and len(seqs) <= graphs.max_bs \
-                and all(eng.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
+                and all(self.scheduler.grow(seq, seq.num_tokens + self.max_depth) for seq in seqs):
             width = self.max_depth   # pad every row to the captured query length (padding is never accepted)
             padded = [d + [0] * (width - len(d)) for d in drafts]
             if self._fusable(seqs):
@@ -316,25 +314,25 @@ class SpeculativeDecoding:
         reading the step back. Past the sequence's last possible token nothing it drafts is ever used. Without
         blocks (a full pool) the drafts past them are only guessed worse."""
         p = seq.params
-        limit = self.engine.max_model_len
+        limit = self.max_model_len
         if p.max_tokens is not None:
             limit = min(limit, seq.num_prompt_tokens + p.max_tokens)
-        self.engine.scheduler.grow(seq, min(seq.num_tokens + 2 * self.max_depth, limit))
+        self.scheduler.grow(seq, min(seq.num_tokens + 2 * self.max_depth, limit))
 
     def _tree_chunks(self, seqs: list[Sequence], wanted: list[int]) -> tuple[list[SequenceChunk], list[list[int]]]:
         """Each sequence's tree verify chunk [last token, the tree's nodes in BFS order] (forward/draft_tree.py), and
         its node tokens ([] for a sequence that does not draft: its nodes are padding, never accepted)."""
-        eng, tree = self.engine, self.tree
+        tree = self.tree
         drafts = []
         for seq, k in zip(seqs, wanted):
             steps = self.proposer.candidates(seq) if k else None
             if self.synthetic_rate is not None and k:
                 steps = steps or [[0] * tree.topk] * tree.depth
             nodes = tree.node_tokens(steps) if steps is not None and len(steps) >= tree.depth else []
-            if nodes and not eng.scheduler.grow(seq, seq.num_tokens + tree.size):
+            if nodes and not self.scheduler.grow(seq, seq.num_tokens + tree.size):
                 nodes = []
             drafts.append(nodes)
-        full = any(drafts) and all(eng.scheduler.grow(seq, seq.num_tokens + tree.size) for seq in seqs)
+        full = any(drafts) and all(self.scheduler.grow(seq, seq.num_tokens + tree.size) for seq in seqs)
         chunks = []
         for seq, nodes in zip(seqs, drafts):
             tokens = [seq.output_token_ids[-1]] + ((nodes or [0] * tree.size) if full else nodes)
@@ -387,7 +385,7 @@ class SpeculativeDecoding:
         """A tree's accepted node i (cache index start + i) becomes position start + j, j its depth on the path:
         copy its K/V there in every layer. Indices only grow along a path (BFS order), so no copy overwrites a
         source still to be read."""
-        block_size = self.engine.config.block_size
+        block_size = self.block_size
         src, dst = [], []
         for chunk, path in zip(chunks, paths):
             for j, i in enumerate(path):
@@ -396,7 +394,7 @@ class SpeculativeDecoding:
                         into.append(chunk.block_ids[index // block_size] * block_size + index % block_size)
         if not src:
             return
-        kv = self.engine.runner.kv_cache   # [layers, planes, num_blocks, block_size, kv_heads, head_dim]
+        kv = self.runner.kv_cache   # [layers, planes, num_blocks, block_size, kv_heads, head_dim]
         flat = kv.view(kv.shape[0], kv.shape[1], -1, *kv.shape[4:])   # K, V planes (MLA: one latent)
         device = kv.device
         flat[:, :, torch.tensor(dst, device=device)] = flat[:, :, torch.tensor(src, device=device)]
@@ -405,23 +403,13 @@ class SpeculativeDecoding:
         """Add the time since the last lap (or `since`) to `phase` in self.timing, when a benchmark asks."""
         if self.timing is None:
             return
-        if self.engine.device.type == "cuda":
+        if self.device.type == "cuda":
             torch.cuda.synchronize()
         now = time.perf_counter()
         self.timing[phase] = self.timing.get(phase, 0.0) + now - (since if since is not None else self._last_lap)
         if phase == "draft":
             self.timing["steps"] = self.timing.get("steps", 0) + 1
         self._last_lap = now
-
-    def _mask_stops_before_min_tokens(self, seqs: list[Sequence], logits: torch.Tensor, q: int) -> None:
-        """Row seq * q + j samples output token num_output + depth of query j (a chain: j): under min_tokens it may
-        not be a stop token."""
-        depths = range(q) if self.tree is None else self._depths
-        for b, seq in enumerate(seqs):
-            banned = self.engine.stop_tokens_under_min_tokens(seq)
-            for j in range(q):
-                if banned and seq.num_output_tokens + depths[j] < seq.params.min_tokens:
-                    logits[b * q + j, banned] = float("-inf")
 
     # ---- following the target -------------------------------------------------------------------------------
     def _computed_rows(self, seq: Sequence, start: int, count: int, hidden_offset: int,
@@ -435,7 +423,7 @@ class SpeculativeDecoding:
         """The drafts the sequence drafts for its next verify step: the full depth if it has room and blocks."""
         depth = self.max_depth if self._room(seq) > 0 else 0
         # The drafter writes K/V up to position num_tokens + depth - 2; the next verify step needs the rest.
-        if depth and not self.engine.scheduler.grow(seq, seq.num_tokens + depth):
+        if depth and not self.scheduler.grow(seq, seq.num_tokens + depth):
             depth = 0
         return depth
 

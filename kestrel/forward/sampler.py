@@ -8,11 +8,13 @@ from dataclasses import dataclass
 
 import torch
 
+from kestrel.sampling_params import GREEDY_TEMPERATURE
+
 
 @dataclass(slots=True)
 class SamplingBatch:
     """Per-row sampling settings, as tensors on the logits' device."""
-    temperature: torch.Tensor          # [B] float32; 0 = greedy
+    temperature: torch.Tensor          # [B] float32; <= GREEDY_TEMPERATURE = greedy
     top_k: torch.Tensor                # [B] int64; 0 = off
     top_p: torch.Tensor                # [B] float32; 1 = off
     min_p: torch.Tensor                # [B] float32; 0 = off
@@ -36,7 +38,7 @@ def make_sampling_batch(temperatures: list[float], top_ks: list[int], top_ps: li
         top_p=packed[2],
         min_p=packed[3],
         generators=generators,
-        all_greedy=all(t <= 1e-5 for t in temperatures),
+        all_greedy=all(t <= GREEDY_TEMPERATURE for t in temperatures),
         needs_top_k=any(k > 0 for k in top_ks),
         needs_top_p=any(p < 1.0 for p in top_ps),
         needs_min_p=any(p > 0.0 for p in min_ps),
@@ -74,7 +76,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
     greedy_tokens = logits.argmax(dim=-1)
     if s.all_greedy:
         return greedy_tokens
-    temperature = torch.where(s.temperature > 1e-5, s.temperature, torch.ones_like(s.temperature))
+    temperature = torch.where(s.temperature > GREEDY_TEMPERATURE, s.temperature, torch.ones_like(s.temperature))
     scaled = apply_top_k_top_p_min_p(logits / temperature[:, None], s)
     probs = scaled.softmax(dim=-1)
     # Gumbel-style sampling without a host sync: argmax(p / E) with E ~ Exponential(1) draws from p.
@@ -83,7 +85,7 @@ def sample(logits: torch.Tensor, s: SamplingBatch) -> torch.Tensor:
         if gen is not None:
             noise[row].exponential_(generator=gen)
     sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(s.temperature > 1e-5, sampled, greedy_tokens)
+    return torch.where(s.temperature > GREEDY_TEMPERATURE, sampled, greedy_tokens)
 
 
 def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

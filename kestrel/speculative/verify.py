@@ -2,7 +2,7 @@
 distribution the sampler would have drawn them from, one token at a time.
 
 The target's distribution at each verified position is the sampler's (forward/sampler.py): temperature, then
-top-k / top-p / min-p, softmax; a greedy row (temperature <= 1e-5) is one-hot at the argmax, so the same
+top-k / top-p / min-p, softmax; a greedy row (temperature <= GREEDY_TEMPERATURE) is one-hot at the argmax, so the same
 acceptance rule that is lossless for sampling accepts exactly the drafts that equal the argmax.
 
     chain (verify_chain): drafts d_1..d_K of a sequence, logits rows laid out per sequence as
@@ -20,8 +20,7 @@ from __future__ import annotations
 import torch
 
 from kestrel.forward.sampler import SamplingBatch, apply_top_k_top_p_min_p
-
-GREEDY_TEMPERATURE = 1e-5   # the sampler's threshold: rows at or below it take the argmax
+from kestrel.sampling_params import GREEDY_TEMPERATURE
 
 
 def expand_sampling(s: SamplingBatch, repeats: int) -> SamplingBatch:

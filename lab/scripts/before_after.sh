@@ -5,6 +5,7 @@
 #           concurrent, TTFT, startup, graph memory
 #   spec    benchmarks/spec_bench.py --quick on the same shape: EAGLE-3 K=3 chain at synthetic L=3 (and L=1.15
 #           adaptive, a tree), bs1
+#   prof    benchmarks/step_profile.py: where a 128-row decode step's time goes (not in the default STEPS)
 # STEPS="bench:base bench:cur bench:cur bench:base spec:base spec:cur" (the default) runs them in that order (the
 # trees alternate so drift hits both alike); END=SECONDS (default 585) skips a step that would not fit.
 # Make the baseline here (git-ignored):
@@ -35,12 +36,14 @@ step() { local kind=$1 tree=$2 n=$3 min=$4 max=$5; local left=$(( END - (SECONDS
     bench) cmd=(python3 -m benchmarks.engine_bench --in-process --only kestrel --workdir "$W" --models llama-3.1-8b
                 --graphs-only --prefix-bench none --out "$O/$name.json");;
     spec)  cmd=(python3 -m benchmarks.spec_bench --workdir "$W" --quick --out "$O/$name.json");;
+    prof)  cmd=(python3 -m benchmarks.step_profile --workdir "$W" --shape llama-3.1-8b --batch 128 --out "$O/$name.json");;
   esac
   (cd /tmp/trees/$tree && PYTHONPATH=/tmp/trees/$tree timeout $t "${cmd[@]}") > "$O/$name.log" 2>&1
   echo "rc=$?" | tee -a "$O/$name.log" "$O/steps.txt"; tail -2 "$O/$name.log" | head -1 | tee -a "$O/steps.txt"; }
 declare -A seen
 for s in ${STEPS:-bench:base bench:cur bench:cur bench:base spec:base spec:cur}; do
   kind=${s%%:*}; tree=${s##*:}; key=${kind}_$tree; seen[$key]=$(( ${seen[$key]:-0} + 1 ))
-  case $kind in bench) step bench $tree ${seen[$key]} 60 150;; spec) step spec $tree ${seen[$key]} 60 200;; esac
+  case $kind in bench) step bench $tree ${seen[$key]} 60 150;; spec) step spec $tree ${seen[$key]} 60 200;;
+                 prof) step prof $tree ${seen[$key]} 40 120;; esac
 done
 python3 lab/scripts/before_after_table.py "$O" "$gpu" "$BASE_COMMIT" "$CUR_COMMIT" | tee "$O/table.md"

@@ -37,6 +37,11 @@ def main() -> None:
     lines = [f"before/after · {gpu} · base {base_commit} · cur {cur_commit}", "", "| run | figures |", "|---|---|"]
     for path in sorted(out.glob("*.json")):
         kind, tree, _ = path.stem.split("_")
+        if kind == "prof":
+            p = json.loads(path.read_text())["profile"]
+            lines.append(f"| {path.stem} | wall {p['wall_ms']:.2f} ms/step, device busy {p['device_busy_ms']:.2f}, "
+                         + ", ".join(f"{k} {v:.2f}" for k, v in p["by_category_ms"].items()) + " |")
+            continue
         try:
             figures = bench_figures(path) if kind == "bench" else spec_figures(path)
         except Exception as exc:   # noqa: BLE001 - a failed run says why in its row
