@@ -146,8 +146,8 @@ def _release(engine: Engine) -> None:
 
     Requests in flight are aborted (their blocks go back). Then every attribute of the runner and the engine is
     dropped: the model, the KV cache, the CUDA graphs and their static buffers, the speculative state. Reference
-    cycles among them (a graph's closures and the drafter hold the runner, speculation holds the engine) would
-    otherwise keep gigabytes alive until the cycle collector happens to run, and a reference a caller kept (say
+    cycles among them (a graph's closures and the drafter hold the runner; speculation and the engine's committer
+    hold each other) would otherwise keep gigabytes alive until the cycle collector happens to run, and a reference a caller kept (say
     `runner = llm.engine.runner`) would keep all of it. The collector then runs once, and on CUDA the cached
     blocks go back to the driver, so memory_allocated and nvidia-smi both drop.
     """

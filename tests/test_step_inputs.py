@@ -22,11 +22,11 @@ def test_step_inputs_under_triton_interpreter():
 
 
 def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int, width: int, block_size: int,
-                 vocab: int, max_updates: int) -> torch.Tensor:
+                 vocab: int, max_table_writes: int) -> torch.Tensor:
     """A packed buffer as DecodeGraphs._launch_rows fills it: bs real rows, the rest of the bucket padding.
     Padding updates target the dummy row, whose contents nobody reads for a real row; the kernel writes them only
     when a padding row is in the launch, torch's index_put always, so the tests compare the other rows."""
-    layout, size = packed_layout(max_bs, q, max_updates)
+    layout, size = packed_layout(max_bs, q, max_table_writes)
     packed = torch.zeros(size, dtype=torch.int64)
 
     def put(name: str, values: list[int]) -> None:
@@ -46,8 +46,8 @@ def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int
         n_blocks = -(-kv_len // block_size)
         for col in rng.sample(range(n_blocks), min(n_blocks, rng.randint(0, 3))):
             updates.append((row, col, rng.randrange(1000)))
-    updates = updates[:max_updates]
-    updates += [(dummy, 0, 0)] * (max_updates - len(updates))
+    updates = updates[:max_table_writes]
+    updates += [(dummy, 0, 0)] * (max_table_writes - len(updates))
     rng.shuffle(updates)
     for name, col in (("upd_rows", 0), ("upd_cols", 1), ("upd_vals", 2)):
         put(name, [u[col] for u in updates])
@@ -60,18 +60,18 @@ def test_matches_the_torch_ops_on_random_steps(q):
     from kestrel.kernels.triton.step_inputs import step_inputs
     rng = random.Random(7 + q)
     max_bs, max_rows, width, block_size, vocab, hidden = 8, 12, 150, 2, 50, 40   # 150 columns: 3 chunks of 64
-    max_updates = 2 * max_bs
-    layout, _ = packed_layout(max_bs, q, max_updates)
+    max_table_writes = 2 * max_bs
+    layout, _ = packed_layout(max_bs, q, max_table_writes)
     embed = torch.randn(vocab, hidden).to(torch.bfloat16)
     tables = torch.randint(0, 1000, (max_rows + 1, width), dtype=torch.int64)
     tables_ref = tables.clone()
     block_table = torch.zeros(max_bs, width, dtype=torch.int64)   # the static buffer, reused launch after launch
     for bs in (1, 8, 5, 3):
-        packed = _random_step(rng, max_bs, bs, q, max_rows, width, block_size, vocab, max_updates)
+        packed = _random_step(rng, max_bs, bs, q, max_rows, width, block_size, vocab, max_table_writes)
         bucket = max_bs if bs > 4 else 4
         before = block_table.clone()
-        got = step_inputs(packed, layout, tables, embed, block_table, bucket, q, max_updates, block_size)
-        want = torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_updates, block_size)
+        got = step_inputs(packed, layout, tables, embed, block_table, bucket, q, max_table_writes, block_size)
+        want = torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_table_writes, block_size)
         assert torch.equal(tables[:max_rows], tables_ref[:max_rows])   # see _random_step: the dummy row
         assert torch.equal(got[1], want[1]) and torch.equal(got[2], want[2])
         assert got[0].data_ptr() == block_table.data_ptr() and got[0].shape == (bucket, width)

@@ -24,7 +24,7 @@ import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from kestrel.config import EngineConfig
-from kestrel.engine.messages import SampleUpdate, encode_stats, encode_update
+from kestrel.engine.messages import SampleUpdate, encode_stats, encode_sample
 from kestrel.errors import KestrelError
 from kestrel.progress import Progress
 
@@ -177,7 +177,7 @@ class _LiveRequests:
         self._open[request_id] = {s.index: s for s in seqs}
 
     def discard(self, request_id: str) -> bool:
-        self._reported.difference_update({(request_id, i) for i in self._open.get(request_id, ())})
+        self._reported -= {(request_id, i) for i in self._open.get(request_id, ())}
         return self._open.pop(request_id, None) is not None
 
     def clear(self) -> None:
@@ -208,5 +208,5 @@ class _LiveRequests:
                 stamps = (seq.arrival_time, seq.first_scheduled_time, seq.first_token_time)
             if u.finished:
                 self.sample_done(u.request_id, u.index)
-            out.append(encode_update(u, stamps))
+            out.append(encode_sample(u, stamps))
         return out

@@ -100,7 +100,7 @@ class EngineLimits:
 #   step event: ("step", [update, ...], stats, emitted): emitted, time.monotonic() as the event is sent
 #   stats: EngineStats's fields in declaration order (a new field travels without a change here)
 
-def encode_update(u: SampleUpdate, first_stamps: tuple[float, float, float | None] | None) -> tuple:
+def encode_sample(u: SampleUpdate, first_stamps: tuple[float, float, float | None] | None) -> tuple:
     lps = None if u.new_logprobs is None else [(lp.token_id, lp.logprob, lp.top) for lp in u.new_logprobs]
     return (u.request_id, u.index, u.new_token_ids, lps, u.finished, u.finish_reason, u.num_prompt_tokens,
             u.num_cached_tokens, first_stamps)

@@ -65,24 +65,24 @@ def pack_fields(fields: list[tuple[str, int]]) -> tuple[dict[str, tuple[int, int
     return layout, size
 
 
-def packed_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
+def packed_layout(max_bs: int, q: int, max_table_writes: int) -> tuple[dict[str, tuple[int, int]], int]:
     """The packed input buffer's fields (see the module docstring) as name -> (offset, length), and its size."""
     fields = [(name, max_bs * q) for name in ("prev_tokens", "input_ids", "input_src", "positions", "slot_mapping")]
     fields += [("kv_lens", max_bs), ("rows", max_bs)]
-    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
+    fields += [(name, max_table_writes) for name in ("upd_rows", "upd_cols", "upd_vals")]
     return pack_fields(fields)
 
 
 def torch_step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
                       embed: torch.Tensor | None, block_table: torch.Tensor | None, bs: int, q: int,
-                      num_updates: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+                      num_table_writes: int, block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The graph's head in torch ops, with kestrel/kernels/triton/step_inputs.py's signature: the new table entries, the batch's
     block-table rows (whole rows, a new tensor: `block_table` and `block_size` are not used), its input tokens
     and their embeddings."""
     def view(name: str, n: int) -> torch.Tensor:
         return packed[layout[name][0]:layout[name][0] + n]
 
-    tables.index_put_((view("upd_rows", num_updates), view("upd_cols", num_updates)), view("upd_vals", num_updates))
+    tables.index_put_((view("upd_rows", num_table_writes), view("upd_cols", num_table_writes)), view("upd_vals", num_table_writes))
     rows = tables.index_select(0, view("rows", bs))
     input_ids = packed.index_select(0, view("input_src", bs * q))
     return rows, input_ids, None if embed is None else torch.nn.functional.embedding(input_ids, embed)
@@ -108,12 +108,12 @@ class DecodeGraphs:
         self.tree_mask = None if tree is None else \
             tree[1].to(runner.device).expand(max_bs, q, q).contiguous()
         self.buckets = batch_size_buckets(max_bs)
-        self.max_updates = 2 * max_bs
+        self.max_table_writes = 2 * max_bs
         self.max_rows = max_rows
         self.dummy_row = max_rows
         device = runner.device
         self.tables = torch.zeros(max_rows + 1, max_blocks_per_seq, dtype=torch.int64, device=device)
-        self.layout, size = packed_layout(max_bs, q, self.max_updates)
+        self.layout, size = packed_layout(max_bs, q, self.max_table_writes)
         self.host_start = max_bs * q   # the host's part of the buffer starts after prev_tokens
         # Two pinned input buffers and two token buffers, used in turn: the input copy out of one may still be
         # queued behind the GPU's current step when the host fills the next step's inputs, and step k's tokens are
@@ -168,7 +168,7 @@ class DecodeGraphs:
         n = bs * self.query_len   # query tokens
         block_table, input_ids, embeds = self._head(
             self.dev, self.layout, self.tables, self._embed, self.block_table, bs,
-            self.query_len, self.max_updates, self.runner.block_size)
+            self.query_len, self.max_table_writes, self.runner.block_size)
         batch = ForwardBatch(
             input_ids=input_ids, positions=self._view("positions", n),
             query_start_loc=self.query_start_loc[: bs + 1], kv_lens=self._view("kv_lens", bs),
@@ -337,7 +337,7 @@ class DecodeGraphs:
                              ("kv_lens", kv_lens)):
             base = L[name][0]
             h[base:base + len(values)] = values
-        inline = self.pack_updates(updates, h, L, self.max_updates)
+        inline = self.pack_table_writes(updates, h, L, self.max_table_writes)
         self._fill_padding(bs, bucket, inline)
         start = self.host_start   # prev_tokens stays: the previous step may still be writing it
         self.dev[start:].copy_(self.host[start:], non_blocking=True)
@@ -351,14 +351,14 @@ class DecodeGraphs:
                              hidden_states={layer: h[:n] for layer, h in out.hidden_states.items()},
                              replayed=(self, bucket))
 
-    def pack_updates(self, updates: list[tuple[int, int, int]], host: "np.ndarray", layout: dict, max_updates: int
+    def pack_table_writes(self, updates: list[tuple[int, int, int]], host: "np.ndarray", layout: dict, max_table_writes: int
                      ) -> int:
-        """Put the first max_updates table updates in a packed host buffer's upd_* fields (a graph scatters them)
+        """Put the first max_table_writes table updates in a packed host buffer's upd_* fields (a graph scatters them)
         and write any others into `tables` now (e.g. the first decode after a large prefill). Returns how many
         went into the buffer."""
-        inline = updates[:max_updates]
-        if len(updates) > max_updates:
-            rest = torch.tensor(updates[max_updates:], dtype=torch.int64).to(self.tables.device)
+        inline = updates[:max_table_writes]
+        if len(updates) > max_table_writes:
+            rest = torch.tensor(updates[max_table_writes:], dtype=torch.int64).to(self.tables.device)
             self.tables.index_put_((rest[:, 0], rest[:, 1]), rest[:, 2])
         for name, col in (("upd_rows", 0), ("upd_cols", 1), ("upd_vals", 2)):
             base = layout[name][0]

@@ -57,12 +57,12 @@ def top_candidates(drafter, normed: torch.Tensor, topk: int) -> tuple[torch.Tens
     return candidates[:, 0], candidates
 
 
-def drafter_layout(max_bs: int, q: int, max_updates: int) -> tuple[dict[str, tuple[int, int]], int]:
+def drafter_layout(max_bs: int, q: int, max_table_writes: int) -> tuple[dict[str, tuple[int, int]], int]:
     """The packed input buffer's fields as name -> (offset, length), and its size."""
     fields = [(name, max_bs * q) for name in ("tokens", "positions", "slots", "hidden_rows")]
     fields += [(name, max_bs) for name in ("kv_lens", "rows", "count", "covered", "num_drafts")]
     fields += [("drafts", max_bs * (q - 1))]
-    fields += [(name, max_updates) for name in ("upd_rows", "upd_cols", "upd_vals")]
+    fields += [(name, max_table_writes) for name in ("upd_rows", "upd_cols", "upd_vals")]
     return pack_fields(fields)
 
 
@@ -80,8 +80,8 @@ class DrafterGraphs:
         self.buckets = verify.buckets
         self.max_bs = verify.max_bs
         self.block_size = verify.runner.block_size
-        self.max_updates = 2 * self.max_bs
-        self.layout, size = drafter_layout(self.max_bs, self.q, self.max_updates)
+        self.max_table_writes = 2 * self.max_bs
+        self.layout, size = drafter_layout(self.max_bs, self.q, self.max_table_writes)
         device = verify.tables.device
         pin = device.type == "cuda"
         self.host = torch.zeros(size, dtype=torch.int64, pin_memory=pin)
@@ -267,7 +267,7 @@ class DrafterGraphs:
 
     def _launch(self, bucket: int, updates: list[tuple[int, int, int]]) -> list[list[int]]:
         """One copy in, one replay (eager on the CPU), the one read-back: the output table's rows."""
-        inline = self.verify.pack_updates(updates, self.host_np, self.layout, self.max_updates)
+        inline = self.verify.pack_table_writes(updates, self.host_np, self.layout, self.max_table_writes)
         self._fill_padding(bucket, bucket, inline)
         self.dev.copy_(self.host, non_blocking=True)
         if bucket in self.graphs:

@@ -150,7 +150,7 @@ class Generation:
         """(choice, delta) in arrival order across prompts; each choice's state is updated before it is yielded."""
         if len(self._streams) == 1:
             async for delta in self._streams[0]:
-                yield self._update(0, delta), delta
+                yield self._choice(0, delta), delta
             return
         merged: asyncio.Queue = asyncio.Queue()
 
@@ -173,12 +173,12 @@ class Generation:
                 elif isinstance(item, BaseException):
                     raise item
                 else:
-                    yield self._update(prompt_index, item), item
+                    yield self._choice(prompt_index, item), item
         finally:
             for t in tasks:
                 t.cancel()
 
-    def _update(self, prompt_index: int, delta: Delta) -> Choice:
+    def _choice(self, prompt_index: int, delta: Delta) -> Choice:
         choice = self.choices[prompt_index * self.params.n + delta.index]
         now = time.monotonic()
         timing = choice.timing

@@ -22,27 +22,27 @@ def test_kernel_in_a_graph_equals_the_torch_ops_on_every_replay(q, bucket):
     from kestrel.kernels.triton.step_inputs import step_inputs
     rng = random.Random(bucket * 10 + q)
     max_bs, max_rows, width, block_size, vocab, hidden = 128, 256, 8192, 16, 128_256, 4096
-    max_updates = 2 * max_bs
-    layout, size = packed_layout(max_bs, q, max_updates)
+    max_table_writes = 2 * max_bs
+    layout, size = packed_layout(max_bs, q, max_table_writes)
     packed = torch.zeros(size, dtype=torch.int64, device="cuda")
     embed = torch.randn(vocab, hidden, device="cuda").to(torch.bfloat16)
     tables = torch.randint(0, 50_000, (max_rows + 1, width), dtype=torch.int64, device="cuda")
     tables_ref = tables.clone()
     block_table = torch.zeros(max_bs, width, dtype=torch.int64, device="cuda")
-    args = (layout, tables, embed, block_table, bucket, q, max_updates, block_size)
+    args = (layout, tables, embed, block_table, bucket, q, max_table_writes, block_size)
     step_inputs(packed, *args)   # compile outside the capture (an all-zero step: row 0 gets block 0 at column 0)
-    torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_updates, block_size)
+    torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_table_writes, block_size)
     assert torch.equal(tables[:max_rows], tables_ref[:max_rows])   # see _random_step: the dummy row
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         out = step_inputs(packed, *args)
     for _ in range(4):
         bs = rng.randint(1, bucket)
-        step = _random_step(rng, max_bs, bs, q, max_rows, 64, block_size, vocab, max_updates)   # up to 1,024 keys
+        step = _random_step(rng, max_bs, bs, q, max_rows, 64, block_size, vocab, max_table_writes)   # up to 1,024 keys
         packed.copy_(step.cuda())
         before = block_table.clone()
         graph.replay()
-        want = torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_updates, block_size)
+        want = torch_step_inputs(packed, layout, tables_ref, embed, None, bucket, q, max_table_writes, block_size)
         torch.cuda.synchronize()
         assert torch.equal(tables[:max_rows], tables_ref[:max_rows])   # see _random_step: the dummy row
         assert torch.equal(out[1], want[1]) and torch.equal(out[2], want[2])

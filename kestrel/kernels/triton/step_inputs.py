@@ -34,7 +34,7 @@ import triton.language as tl
 def _step_inputs_kernel(
     packed_ptr, tables_ptr, embed_ptr, block_table_ptr, input_ids_ptr, embeds_ptr,
     input_src_at, rows_at, kv_lens_at, upd_rows_at, upd_cols_at, upd_vals_at,
-    num_updates, table_width, block_size,
+    num_table_writes, table_width, block_size,
     Q: tl.constexpr, QP: tl.constexpr, HIDDEN: tl.constexpr, UPD_BLOCK: tl.constexpr, COL_BLOCK: tl.constexpr,
     HID_BLOCK: tl.constexpr,
 ):
@@ -43,8 +43,8 @@ def _step_inputs_kernel(
     i = tl.program_id(0)
     row = tl.load(packed_ptr + rows_at + i)
     kv_len = tl.load(packed_ptr + kv_lens_at + i)
-    u = tl.arange(0, UPD_BLOCK)                     # UPD_BLOCK >= num_updates: one load of each field
-    um = u < num_updates
+    u = tl.arange(0, UPD_BLOCK)                     # UPD_BLOCK >= num_table_writes: one load of each field
+    um = u < num_table_writes
     urow = tl.load(packed_ptr + upd_rows_at + u, mask=um, other=-1)
     ucol = tl.load(packed_ptr + upd_cols_at + u, mask=um, other=0)
     uval = tl.load(packed_ptr + upd_vals_at + u, mask=um, other=0)
@@ -72,10 +72,10 @@ def _step_inputs_kernel(
 
 
 def step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables: torch.Tensor,
-                embed: torch.Tensor, block_table: torch.Tensor, bs: int, q: int, num_updates: int,
+                embed: torch.Tensor, block_table: torch.Tensor, bs: int, q: int, num_table_writes: int,
                 block_size: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(block_table[:bs], input_ids [bs * q], embeds [bs * q, hidden]) for the first bs rows of `packed`; writes
-    the first num_updates updates into `tables`. `block_table` ([>= bs, W], W = tables.shape[1]) is the caller's
+    the first num_table_writes updates into `tables`. `block_table` ([>= bs, W], W = tables.shape[1]) is the caller's
     static buffer: columns past a row's blocks keep what they held, so it must start as valid block ids (zeros)."""
     width, hidden = tables.shape[1], embed.shape[1]
     qp = triton.next_power_of_2(q)
@@ -86,8 +86,8 @@ def step_inputs(packed: torch.Tensor, layout: dict[str, tuple[int, int]], tables
         packed, tables, embed, block_table, input_ids, embeds,
         layout["input_src"][0], layout["rows"][0], layout["kv_lens"][0],
         layout["upd_rows"][0], layout["upd_cols"][0], layout["upd_vals"][0],
-        num_updates, width, block_size,
-        Q=q, QP=qp, HIDDEN=hidden, UPD_BLOCK=triton.next_power_of_2(max(num_updates, 16)), COL_BLOCK=64,
+        num_table_writes, width, block_size,
+        Q=q, QP=qp, HIDDEN=hidden, UPD_BLOCK=triton.next_power_of_2(max(num_table_writes, 16)), COL_BLOCK=64,
         HID_BLOCK=max(16, min(2048 // qp, triton.next_power_of_2(hidden))), num_warps=4,
     )
     return block_table[:bs], input_ids, embeds
