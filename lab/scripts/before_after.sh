@@ -10,10 +10,11 @@
 # trees alternate so drift hits both alike); END=SECONDS (default 585) skips a step that would not fit.
 # Make the baseline here (git-ignored):
 #   rm -rf .baseline && mkdir .baseline && git archive REV -- kestrel | tar -x -C .baseline && echo REV > .baseline/COMMIT
-# and carry [".baseline"]. Results: $OUT (or ./out): one JSON and log per step, steps.txt, table.md (printed last).
+# and carry [".baseline"]. Results: $OUT (or ./out): table.md (printed last) and before_after.tgz (a JSON and a log
+# per step, steps.txt).
 set -uo pipefail
 export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-ROOT=$(pwd); O=${OUT:-$ROOT/out}; mkdir -p "$O"; W=${BENCH_WORKDIR:-/tmp/kestrel-bench}; mkdir -p "$W"
+ROOT=$(pwd); FINAL=${OUT:-$ROOT/out}; O=/tmp/before_after; rm -rf "$O"; mkdir -p "$O" "$FINAL"; W=${BENCH_WORKDIR:-/tmp/kestrel-bench}; mkdir -p "$W"
 T0=$SECONDS; END=${END:-585}
 [ -d .baseline/kestrel ] || { echo "no .baseline/kestrel: see the header" >&2; exit 2; }
 for t in base cur; do
@@ -21,8 +22,10 @@ for t in base cur; do
   cp -r benchmarks models /tmp/trees/$t/
 done
 cp -r .baseline/kestrel /tmp/trees/base/; cp -r kestrel /tmp/trees/cur/
+# more trees to bisect with (carried too): .alt/NAME/kestrel runs as STEPS "bench:NAME"
+for alt in .alt/*/; do [ -d "$alt/kestrel" ] || continue; n=$(basename "$alt"); rm -rf /tmp/trees/$n
+  mkdir -p /tmp/trees/$n; cp -r benchmarks models "$alt/kestrel" /tmp/trees/$n/; echo "tree $n: $(cat "$alt/COMMIT" 2>/dev/null)" | tee -a "$O/steps.txt"; done
 # the benchmarks' fresh-prompt helper (pure Python) is newer than some baselines: the same method on both trees
-[ -f /tmp/trees/base/kestrel/bench/fresh.py ] || cp kestrel/bench/fresh.py /tmp/trees/base/kestrel/bench/
 BASE_COMMIT=$(cat .baseline/COMMIT 2>/dev/null || echo "?"); CUR_COMMIT=${COMMIT:-$(git rev-parse --short HEAD 2>/dev/null || echo "?")}
 gpu=$(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)
 echo "$gpu · cur $CUR_COMMIT · base $BASE_COMMIT" | tee "$O/steps.txt"
@@ -32,6 +35,8 @@ step() { local kind=$1 tree=$2 n=$3 min=$4 max=$5; local left=$(( END - (SECONDS
   echo "=== $name (limit $t s, at $((SECONDS - T0)) s)" | tee -a "$O/steps.txt"
   if [ $t -lt $min ]; then echo "skipped: $left s left" | tee -a "$O/steps.txt"; return; fi
   local cmd
+  # the benchmarks' fresh-prompt helper (pure Python) is newer than some trees: the same method on every tree
+  [ -f /tmp/trees/$tree/kestrel/bench/fresh.py ] || cp kestrel/bench/fresh.py /tmp/trees/$tree/kestrel/bench/
   case $kind in
     bench) cmd=(python3 -m benchmarks.engine_bench --in-process --only kestrel --workdir "$W" --models llama-3.1-8b
                 --graphs-only --prefix-bench none --out "$O/$name.json");;
@@ -47,3 +52,5 @@ for s in ${STEPS:-bench:base bench:cur bench:cur bench:base spec:base spec:cur};
                  prof) step prof $tree ${seen[$key]} 40 120;; esac
 done
 python3 lab/scripts/before_after_table.py "$O" "$gpu" "$BASE_COMMIT" "$CUR_COMMIT" | tee "$O/table.md"
+# what comes back from a device call is a few files: the table, and everything in one archive
+cp "$O/table.md" "$FINAL/"; tar czf "$FINAL/before_after.tgz" -C "$O" .

@@ -33,7 +33,7 @@ def spec_figures(path: Path) -> dict[str, float]:
 
 def main() -> None:
     out, gpu, base_commit, cur_commit = Path(sys.argv[1]), *sys.argv[2:5]
-    runs: dict[str, dict[str, list[float]]] = {"base": {}, "cur": {}}
+    runs: dict[str, dict[str, list[float]]] = {"base": {}, "cur": {}}   # tree -> figure -> one value a run
     lines = [f"before/after · {gpu} · base {base_commit} · cur {cur_commit}", "", "| run | figures |", "|---|---|"]
     for path in sorted(out.glob("*.json")):
         kind, tree, _ = path.stem.split("_")
@@ -49,13 +49,17 @@ def main() -> None:
             continue
         lines.append(f"| {path.stem} | " + ", ".join(f"{k} {v:.2f}" for k, v in figures.items()) + " |")
         for k, v in figures.items():
-            runs[tree].setdefault(k, []).append(v)
-    lines += ["", "| figure | base (median, runs) | cur (median, runs) | cur / base |", "|---|---:|---:|---:|"]
-    for k in runs["cur"]:
+            runs.setdefault(tree, {}).setdefault(k, []).append(v)
+    lines += ["", "| figure | tree | median (runs) | / base |", "|---|---|---:|---:|"]
+    figures = {k for tree in runs.values() for k in tree}
+    for k in sorted(figures):
         if k not in runs["base"]:
             continue
-        b, c = statistics.median(runs["base"][k]), statistics.median(runs["cur"][k])
-        lines.append(f"| {k} | {b:.2f} ({len(runs['base'][k])}) | {c:.2f} ({len(runs['cur'][k])}) | {c / b:.3f} |")
+        b = statistics.median(runs["base"][k])
+        for tree in ["base", "cur", *sorted(set(runs) - {"base", "cur"})]:
+            if k in runs[tree]:
+                v = statistics.median(runs[tree][k])
+                lines.append(f"| {k} | {tree} | {v:.2f} ({len(runs[tree][k])}) | {v / b:.3f} |")
     print("\n".join(lines))
 
 
