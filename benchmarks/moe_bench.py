@@ -77,18 +77,14 @@ def profile_decode(engine, prompt: list[int], steps: int, device: str, top: int 
     try:
         from torch.profiler import ProfilerActivity, profile
 
+        from benchmarks.step_profile import timed_events
+
         cuda = device.startswith("cuda")
         with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
             run_requests(engine, [prompt], steps + 1)
             if cuda:
                 torch.cuda.synchronize()
-        events = []
-        for e in prof.key_averages():
-            us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
-                else e.self_cpu_time_total
-            if us > 0:
-                events.append((us, e.count, e.key))
-        events.sort(reverse=True)
+        events = timed_events(prof, cuda)
         return {"steps": steps, "clock": "device" if cuda else "self cpu",
                 "us_per_step": sum(us for us, _, _ in events) / steps,
                 "launches_per_step": sum(n for _, n, _ in events) / steps,

@@ -87,6 +87,18 @@ def measured_rates(device: str) -> tuple[float, float]:
     return flops, copy
 
 
+def timed_events(prof, cuda: bool) -> list[tuple[float, int, str]]:
+    """A finished torch.profiler run's (microseconds, calls, name) by total time, largest first: kernels by device
+    time on CUDA, ops by self CPU time on the CPU."""
+    events = []
+    for e in prof.key_averages():
+        us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
+            else e.self_cpu_time_total
+        if us > 0:
+            events.append((us, e.count, e.key))
+    return sorted(events, reverse=True)
+
+
 def profile_steps(engine, steps: int, cuda: bool, top: int = 30) -> dict:
     from torch.profiler import ProfilerActivity, profile
 
@@ -99,13 +111,7 @@ def profile_steps(engine, steps: int, cuda: bool, top: int = 30) -> dict:
         if cuda:
             torch.cuda.synchronize()
         wall = time.perf_counter() - t0
-    events = []
-    for e in prof.key_averages():
-        us = (getattr(e, "device_time_total", None) or getattr(e, "cuda_time_total", 0)) if cuda \
-            else e.self_cpu_time_total
-        if us > 0:
-            events.append((us, e.count, e.key))
-    events.sort(reverse=True)
+    events = timed_events(prof, cuda)
     by_cat: dict[str, float] = {}
     for us, _, name in events:
         by_cat[category(name)] = by_cat.get(category(name), 0.0) + us / steps / 1e3
