@@ -155,6 +155,7 @@ def test_bad_engine_options_are_rejected():
         LLM(not_an_option=1)
 
 
+@pytest.mark.slow
 def test_generate_cli_streams_text(checkpoint_factory):
     model = checkpoint_factory("llama")
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "generate", "--model", str(model), "--device",
@@ -165,6 +166,7 @@ def test_generate_cli_streams_text(checkpoint_factory):
     assert "6 generated" in proc.stderr and "loading weights" in proc.stderr
 
 
+@pytest.mark.slow
 def test_generate_cli_reports_bad_model_without_traceback(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "generate", "--model", str(tmp_path),
                            "--prompt", "x"], capture_output=True, text=True, timeout=120)

@@ -168,6 +168,7 @@ def test_writer_uses_the_formats_names_dtypes_and_shapes(fp8_checkpoints):
         assert f.get_slice("model.layers.0.self_attn.o_proj.weight_scale").get_shape() == [1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("key", list(FORMATS))
 def test_fp8_checkpoint_matches_its_dequantized_weights_in_hf(fp8_checkpoints, tmp_path, key):
     path = fp8_checkpoints(key)
@@ -183,6 +184,7 @@ def test_fp8_checkpoint_matches_its_dequantized_weights_in_hf(fp8_checkpoints, t
         llm.shutdown()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("flag", ["fp8", "fp8-per-tensor"])
 def test_quantization_flag_on_the_default_model_matches_plain_torch_quantization(tmp_path, flag):
     llm = LLM(device="cpu", quantization=flag)
@@ -278,6 +280,7 @@ def test_block_scales_that_split_a_tile_are_refused():
                                              shard_id="k")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("source", ["hf-block64", "online-per-tensor"])
 def test_fp8_model_at_tp2_equals_one_rank(tmp_path, source):
     """Block scales cut with their weights (64 x 64 tiles: kestrel-tiny's per-rank KV rows are 64), and online

@@ -2,6 +2,8 @@
 CPU by executing the graph body eagerly: it must produce exactly the eager engine's tokens."""
 from __future__ import annotations
 
+import pytest
+
 from kestrel import LLM, SamplingParams
 from kestrel.forward.decode_graphs import DecodeGraphs, batch_size_buckets
 from kestrel.forward.prefill_graphs import PrefillGraphs
@@ -15,6 +17,7 @@ def test_bucket_ladder():
     assert batch_size_buckets(20) == [1, 2, 4, 8, 16, 20]
 
 
+@pytest.mark.slow
 def test_lone_sequences_pad_up_to_the_smallest_captured_bucket(checkpoint_factory):
     """With 8 rows the smallest bucket, batches of 1-3 replay the 8-row graph body, padding included, with the
     eager engine's tokens."""
@@ -58,6 +61,7 @@ def test_graph_path_sampling_and_logprobs_still_work(checkpoint_factory):
     assert all(len(o.outputs[0].logprobs) == 6 for o in graphed)
 
 
+@pytest.mark.slow
 def test_padded_prefill_graph_path_matches_eager(checkpoint_factory):
     path = str(checkpoint_factory("qwen3"))
     kw = dict(device="cpu", block_size=4, max_num_batched_tokens=32)

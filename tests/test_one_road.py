@@ -4,6 +4,7 @@ ForwardBatch: a linear layer's method is called on each of them, and each return
 runners' bodies run eagerly on the CPU here; their host-side bookkeeping is the real one."""
 from __future__ import annotations
 
+import pytest
 import torch
 
 from kestrel import LLM, SamplingParams
@@ -40,6 +41,7 @@ def _on_road(method: RecordingMethod, road: str, fn):
     return wrapped
 
 
+@pytest.mark.slow
 def test_a_linear_method_is_called_on_eager_decode_graph_and_prefill_graph_steps(checkpoint_factory):
     path = str(checkpoint_factory("llama"))
     params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)

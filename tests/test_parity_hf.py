@@ -42,6 +42,7 @@ def case_id(case: dict) -> str:
     return "-".join(f"{k}={v}" for k, v in case.items())
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_greedy_tokens_match_hf(checkpoint_factory, case):
     path = checkpoint_factory(**case)
@@ -52,6 +53,7 @@ def test_greedy_tokens_match_hf(checkpoint_factory, case):
     assert all(r.outputs[0].finish_reason == "length" for r in results)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", [CASES[0], CASES[4]], ids=case_id)
 def test_preemption_and_chunked_prefill_keep_hf_tokens(checkpoint_factory, case):
     path = checkpoint_factory(**case)
@@ -68,6 +70,7 @@ def test_preemption_and_chunked_prefill_keep_hf_tokens(checkpoint_factory, case)
     llm.engine.pool.check_invariants()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("case", CASES, ids=case_id)
 def test_last_token_logits_close_to_hf(checkpoint_factory, case):
     path = checkpoint_factory(**case)

@@ -25,6 +25,7 @@ def _silu_mul_linear(gate_up, w, bias=None):
     return F.linear(F.silu(gate) * up, w, bias)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 @pytest.mark.parametrize("choice", ["all", "none", "mixed", "cuda", "cuda_rope"])
 def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):

@@ -17,6 +17,8 @@ from kestrel.models.names import resolve_model
 from tests.test_server import LiveServer
 from tests.tolerances import scaled
 
+pytestmark = pytest.mark.slow   # a real 135M model on the CPU
+
 NEW_TOKENS = 64
 CHATS = [
     [{"role": "user", "content": "What is the capital of France?"}],

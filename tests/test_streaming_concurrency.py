@@ -15,6 +15,8 @@ from openai.types.chat import ChatCompletionChunk
 from kestrel.config import EngineConfig
 from tests.test_server import LiveServer
 
+pytestmark = pytest.mark.slow   # 48 concurrent streams against a live server
+
 CONCURRENCY = 48
 MAX_TOKENS = 24
 STALL_S = 1.0   # the flood test's hold-up: long enough for 32 streams' events to fill the engine's pipe

@@ -164,6 +164,7 @@ def code_prompts(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_training_writes_the_standard_format_deterministically_and_resumes_to_the_same_loss(tmp_path, code_prompts):
     full = _train(tmp_path / "a", code_prompts)
     assert full.finished and full.steps == 9 and full.num_sequences == 6
@@ -192,6 +193,7 @@ def test_training_writes_the_standard_format_deterministically_and_resumes_to_th
         _train(tmp_path / "c", code_prompts, lr=5e-4)
 
 
+@pytest.mark.slow
 def test_a_trained_drafter_serves_with_greedy_output_unchanged(tmp_path, code_prompts):
     from kestrel.llm import LLM
     from kestrel.sampling_params import SamplingParams
