@@ -13,6 +13,7 @@ import sys
 import threading
 import time
 import traceback
+from typing import Callable
 
 logger = logging.getLogger("kestrel.startup")
 
@@ -27,12 +28,14 @@ def _fmt(value: float, unit: str) -> str:
 
 
 class Progress:
-    """Thread-safe phase tracker; log_interval_s throttles the per-update log lines."""
+    """Thread-safe phase tracker; log_interval_s throttles the per-update log lines. `clock` (seconds, monotonic)
+    is time.monotonic; tests pass a fake one."""
 
-    def __init__(self, log_interval_s: float = 1.0) -> None:
+    def __init__(self, log_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
         self._lock = threading.Lock()
+        self.clock = clock
         self.log_interval_s = log_interval_s
-        self.start_time = time.monotonic()
+        self.start_time = clock()
         self.phase = "starting"
         self.total: float | None = None
         self.done = 0.0
@@ -44,7 +47,7 @@ class Progress:
 
     def begin(self, phase: str, total: float | None = None, unit: str = "") -> None:
         with self._lock:
-            now = time.monotonic()
+            now = self.clock()
             # summed: a phase may come back (graph capture runs once per family of graphs)
             self.phase_durations[self.phase] = self.phase_durations.get(self.phase, 0.0) + now - self.phase_start
             self.phase, self.total, self.done, self.unit = phase, total, 0.0, unit
@@ -55,7 +58,7 @@ class Progress:
 
     def update(self, done: float) -> None:
         with self._lock:
-            now = time.monotonic()
+            now = self.clock()
             self.done = done
             self.last_progress_time = now
             if now - self._last_log < self.log_interval_s and not (self.total and done >= self.total):
@@ -75,7 +78,7 @@ class Progress:
         return min(1.0, self.done / self.total)
 
     def elapsed_s(self) -> float:
-        return time.monotonic() - self.start_time
+        return self.clock() - self.start_time
 
     def _describe(self, now: float) -> str:
         spent = max(now - self.phase_start, 1e-9)
@@ -127,22 +130,35 @@ def descendant_cpu_seconds(root: int | None = None) -> float:
     return total
 
 
+class ChildCpuWatch:
+    """One reading of the children's CPU seconds per poll(), reported as the phase's progress when it grew by more
+    than 0.1 s since the last report. `cpu_seconds` is descendant_cpu_seconds; tests pass a scripted one."""
+
+    def __init__(self, progress: Progress, cpu_seconds: Callable[[], float] = descendant_cpu_seconds) -> None:
+        self.progress, self.cpu_seconds = progress, cpu_seconds
+        self.base = cpu_seconds()
+        self.last = 0.0
+
+    def poll(self) -> None:
+        used = self.cpu_seconds() - self.base
+        if used > self.last + 0.1:
+            self.last = used
+            self.progress.update(used)
+
+
 @contextlib.contextmanager
-def child_cpu_progress(progress: Progress, interval_s: float = 2.0):
+def child_cpu_progress(progress: Progress, interval_s: float = 2.0,
+                       cpu_seconds: Callable[[], float] = descendant_cpu_seconds):
     """While the block runs (e.g. a JIT compiler working in child processes), report the children's CPU seconds
     as the phase's progress whenever they grow: real work shows as progress, a hang does not."""
     stop = threading.Event()
-    base = descendant_cpu_seconds()
+    watch = ChildCpuWatch(progress, cpu_seconds)
 
-    def watch() -> None:
-        last = 0.0
+    def run() -> None:
         while not stop.wait(interval_s):
-            used = descendant_cpu_seconds() - base
-            if used > last + 0.1:
-                last = used
-                progress.update(used)
+            watch.poll()
 
-    thread = threading.Thread(target=watch, name="child-cpu-progress", daemon=True)
+    thread = threading.Thread(target=run, name="child-cpu-progress", daemon=True)
     thread.start()
     try:
         yield

@@ -3,6 +3,8 @@ rank 0's JSON carries the 8B decode-step estimate, and a SIGTERM to the starter 
 and symmetric-memory roads need GPUs: the same benchmark runs them on a multi-GPU host.)"""
 from __future__ import annotations
 
+import pytest
+
 import json
 import signal
 import subprocess
@@ -22,6 +24,7 @@ def bench(out: Path, *extra: str) -> list[str]:
             "--out", str(out), *extra]
 
 
+@pytest.mark.slow
 def test_two_gloo_ranks_report_positive_times_correct_sums_and_the_step_estimate(tmp_path):
     out = tmp_path / "ar.json"
     run = subprocess.run(bench(out, "--sizes", "8K,32K", "--graph-ops", "10", "--replays", "3"), cwd=ROOT,
@@ -42,6 +45,7 @@ def test_two_gloo_ranks_report_positive_times_correct_sums_and_the_step_estimate
     assert "8 KB" in run.stdout and "32 KB" in run.stdout   # one progress line per size
 
 
+@pytest.mark.slow
 def test_the_step_size_is_always_measured(tmp_path):
     out = tmp_path / "ar.json"
     run = subprocess.run(bench(out, "--sizes", "64K", "--graph-ops", "5", "--replays", "2"), cwd=ROOT,
@@ -50,6 +54,7 @@ def test_the_step_size_is_always_measured(tmp_path):
     assert [s["bytes"] for s in json.loads(out.read_text())["sizes"]] == [8192, 65536]
 
 
+@pytest.mark.slow
 def test_sigterm_to_the_starter_stops_every_rank_and_marks_the_report_incomplete(tmp_path):
     out = tmp_path / "ar.json"
     proc = subprocess.Popen(bench(out, "--sizes", "8K,16M,32M,64M", "--replays", "50"), cwd=ROOT,

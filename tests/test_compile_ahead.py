@@ -3,6 +3,8 @@ starts none off CUDA, and a worker process builds the model's first layers and r
 steps run eagerly; on CUDA the same steps compile the kernels into the disk caches)."""
 from __future__ import annotations
 
+import pytest
+
 import pickle
 import subprocess
 import sys
@@ -35,6 +37,7 @@ def test_no_workers_off_cuda_or_when_turned_off(checkpoint_factory):
     assert start_compile_ahead(off, cfg, torch.device("cuda"), SINGLE, 256) is None
 
 
+@pytest.mark.slow
 def test_a_worker_process_runs_both_kinds_of_job(checkpoint_factory, tmp_path):
     config = EngineConfig(model=str(checkpoint_factory("qwen3")), device="cpu", block_size=4,
                           max_num_batched_tokens=64, cuda_graph_max_bs=4, max_num_seqs=4)

@@ -118,6 +118,7 @@ def test_token_nlls_agree_with_hf_loss(hf_model, hf_tokenizer, evaluation):
     torch.testing.assert_close(nlls.mean(), out.loss, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow
 def test_heldout_perplexity_on_lib_test_is_low(hf_model, hf_tokenizer, evaluation):
     files = evaluation.heldout_files(HELDOUT_FILES)
     if len(files) < HELDOUT_FILES:
@@ -165,6 +166,7 @@ def test_kestrel_loads_the_default_model_when_none_is_given(kestrel_llm):
     assert kestrel_llm.engine.model_config.num_kv_heads < kestrel_llm.engine.model_config.num_heads
 
 
+@pytest.mark.slow
 def test_heldout_perplexity_through_kestrel_agrees_with_hf(kestrel_llm, hf_model, hf_tokenizer, evaluation):
     files = evaluation.heldout_files(HELDOUT_FILES)
     if len(files) < HELDOUT_FILES:

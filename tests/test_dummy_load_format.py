@@ -27,6 +27,7 @@ def config_only_tiny(tmp_path_factory) -> str:
     return str(out)
 
 
+@pytest.mark.slow
 def test_dummy_needs_no_checkpoint_and_is_the_same_for_the_same_seed(config_only_tiny):
     with pytest.raises(KestrelError, match="safetensors"):
         LLM(model=config_only_tiny, device="cpu")   # auto: the checkpoint is read, and there is none
@@ -61,6 +62,7 @@ def test_each_kind_of_parameter_gets_its_value(tmp_path):
     assert routing.topk_ids.unique().numel() == cfg.num_experts
 
 
+@pytest.mark.slow
 def test_tensor_parallel_ranks_load_dummy_weights(config_only_tiny):
     """Each rank makes its own shard (replicated parameters alike on every rank: seeded by name)."""
     llm = LLM(model=config_only_tiny, device="cpu", load_format="dummy", tensor_parallel_size=2)
@@ -128,6 +130,7 @@ def test_write_config_only_leaves_no_weights(tmp_path):
         tensor_shapes(SHAPES["qwen3-30b-a3b"])
 
 
+@pytest.mark.slow
 def test_gguf_models_accept_it_too():
     """A .gguf model reads its config from the file; dummy then skips its tensors (smollm2 when installed)."""
     from kestrel.models.names import resolve_model

@@ -19,6 +19,7 @@ from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.models.eagle3_loader import load_eagle3_drafter, random_eagle3_checkpoint
 from kestrel.models.llama import LlamaForCausalLM
 from kestrel.models.model_config import ModelConfig
+from tests.tolerances import scaled
 
 TARGET = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=48, intermediate_size=64,
                      num_layers=6, num_heads=4, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -182,9 +183,10 @@ def test_paged_forward_equals_the_dense_layer_over_prefill_then_recurrent_steps(
     for s, n in enumerate(prompt_lens):
         ref_out, ref_normed = dense_sequence(t, embedding, tokens[s], aux[s], num_steps)
         got = torch.cat([o[s] for o in outs])
-        torch.testing.assert_close(got, ref_out, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(got, ref_out, **scaled(dict(atol=1e-5, rtol=1e-5), ref_out))
         for step, normed in enumerate(normeds):   # logits_at: each sequence's last token of the step
-            torch.testing.assert_close(normed[s], ref_normed[n - 1 + step], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(normed[s], ref_normed[n - 1 + step],
+                                       **scaled(dict(atol=1e-5, rtol=1e-5), ref_normed[n - 1 + step]))
     logits = drafter.compute_logits(normeds[-1])
     assert logits.shape == (3, 40) and logits.dtype == torch.float32
     ids = drafter.draft_to_target(logits.argmax(-1))

@@ -22,6 +22,7 @@ def checkpoint(checkpoint_factory):
     return checkpoint_factory("llama")
 
 
+@pytest.mark.slow
 def test_the_server_side_never_imports_torch():
     code = ("import sys, kestrel.server.app, kestrel.server.cli, kestrel.frontend.engine_process; "
             "assert 'torch' not in sys.modules, 'the server process must not import torch (CUDA lives in the engine)'")

@@ -52,6 +52,7 @@ def test_a_flag_with_a_literal_default_shows_it():
     assert "(default: None)" not in text and "(default: False)" not in text
 
 
+@pytest.mark.slow
 def test_serve_with_a_missing_model_prints_one_error_line_and_exits_before_listening(tmp_path):
     missing = tmp_path / "nonexistent"
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", str(missing), "--device", "cpu",
@@ -64,6 +65,7 @@ def test_serve_with_a_missing_model_prints_one_error_line_and_exits_before_liste
     assert "Traceback" not in out and "running on" not in out.lower()
 
 
+@pytest.mark.slow
 def test_serve_with_a_directory_that_is_not_a_checkpoint_says_so_in_one_line(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["GPT2LMHeadModel"]}')
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", str(tmp_path), "--device", "cpu"],
@@ -73,6 +75,7 @@ def test_serve_with_a_directory_that_is_not_a_checkpoint_says_so_in_one_line(tmp
     assert lines[0].startswith("error: ") and "GPT2LMHeadModel" in lines[0] and "is not supported" in lines[0]
 
 
+@pytest.mark.slow
 def test_serve_with_a_max_model_len_beyond_the_model_fails_before_listening(checkpoint_factory):
     proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "serve", str(checkpoint_factory("llama")),
                            "--device", "cpu", "--max-model-len", "100000"], capture_output=True, text=True,
@@ -81,6 +84,7 @@ def test_serve_with_a_max_model_len_beyond_the_model_fails_before_listening(chec
     assert proc.returncode != 0 and len(lines) == 1 and "--max-model-len 100000" in lines[0], lines
 
 
+@pytest.mark.slow
 def test_an_error_found_by_the_engine_is_said_once_as_the_last_line_and_exits_non_zero(checkpoint_factory, tmp_path):
     """A checkpoint without weights passes the preflight (its config.json is fine); the engine finds the problem
     after the port opened, and the server never said it was serving."""

@@ -1,6 +1,8 @@
 """`kestrel launch`: ready, slow-but-progressing, stalled, crashed, timed out — and nothing left behind."""
 from __future__ import annotations
 
+import pytest
+
 import socket
 import sys
 import textwrap
@@ -107,6 +109,7 @@ def test_failing_then_command_exits_1(tmp_path):
     _assert_all_gone(pids)
 
 
+@pytest.mark.slow
 def test_slow_but_printing_server_is_not_stalled(tmp_path, capsys):
     code, pids = _launch(tmp_path, "slow", "--stall-timeout", "1.2", "--then", "true")
     assert code == LaunchExit.READY
@@ -114,6 +117,7 @@ def test_slow_but_printing_server_is_not_stalled(tmp_path, capsys):
     _assert_all_gone(pids)
 
 
+@pytest.mark.slow
 def test_kestrel_health_progress_counts_as_activity(tmp_path, capsys):
     code, pids = _launch(tmp_path, "kestrel", "--stall-timeout", "1.0", "--then", "true")
     err = capsys.readouterr().err
@@ -138,6 +142,7 @@ def test_crashed_server_exits_3(tmp_path, capsys):
     _assert_all_gone(pids)
 
 
+@pytest.mark.slow
 def test_progressing_server_past_the_ready_timeout_exits_5(tmp_path, capsys):
     code, pids = _launch(tmp_path, "forever", "--stall-timeout", "5", "--ready-timeout", "1.5")
     assert code == LaunchExit.TIMED_OUT == 5

@@ -2,6 +2,8 @@
 router, everything stopped afterwards — with stand-in servers (the real ones: tests/test_router_replicas.py)."""
 from __future__ import annotations
 
+import pytest
+
 import socket
 import sys
 import textwrap
@@ -50,6 +52,7 @@ def free_base(n: int) -> int:
     raise RuntimeError("no free ports")
 
 
+@pytest.mark.slow
 def test_replicas_start_on_their_own_ports_run_then_and_all_stop(tmp_path):
     script = tmp_path / "replica.py"
     script.write_text(REPLICA)
@@ -67,6 +70,7 @@ def test_replicas_start_on_their_own_ports_run_then_and_all_stop(tmp_path):
     assert len(list((tmp_path / "logs").glob("replica*.log"))) == 3
 
 
+@pytest.mark.slow
 def test_a_replica_that_crashes_stops_the_launch_and_the_others(tmp_path):
     script = tmp_path / "replica.py"
     script.write_text("import sys; sys.exit(3)")

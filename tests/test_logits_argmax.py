@@ -11,9 +11,10 @@ from tests.triton_interpreter import INTERPRETED, interpreted_only, run_file_und
 interpreted = interpreted_only("test_logits_argmax_under_triton_interpreter")
 
 
+@pytest.mark.slow   # a child pytest running the file's kernels in Triton's interpreter
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_logits_argmax_under_triton_interpreter():
-    run_file_under_interpreter(__file__)
+    run_file_under_interpreter(__file__, min_passed=6)   # all but the ones that skip in the child
 
 
 def _check(logits: torch.Tensor, scratch) -> None:
@@ -21,7 +22,7 @@ def _check(logits: torch.Tensor, scratch) -> None:
     tokens = torch.full((logits.shape[0],), -1, dtype=torch.int64)
     out = logits_argmax(logits, tokens, scratch)
     assert out.dtype == torch.float32
-    torch.testing.assert_close(out, logits.float(), rtol=0, atol=0, equal_nan=True)
+    torch.testing.assert_close(out, logits.float(), rtol=0, atol=0, equal_nan=True)   # a copy: bit-exact
     assert tokens.tolist() == torch.argmax(logits.float(), dim=-1).tolist()
     assert torch.count_nonzero(scratch[2]) == 0, f"counters left at {scratch[2].tolist()}"
 

@@ -110,6 +110,7 @@ def hf_greedy(hf, prompt_ids: list[list[int]], max_tokens: int) -> list[list[int
 NAMES = list(CONFIGS)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_greedy_tokens_match_hf_batched_and_alone_with_prefix_hits(moe_checkpoint, name):
     path = moe_checkpoint(name)
@@ -124,6 +125,7 @@ def test_greedy_tokens_match_hf_batched_and_alone_with_prefix_hits(moe_checkpoin
     assert llm.engine.stats().prefix_cache_hits > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
 def test_preemption_and_chunked_prefill_keep_hf_tokens(moe_checkpoint, name):
     """16-token steps (prompts prefilled in chunks over the latent / paged cache) and 32 blocks of 4 for 4
@@ -157,6 +159,7 @@ def test_last_token_logits_close_to_hf(moe_checkpoint, name):
         engine.pool.release(t)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", NAMES)
 def test_decode_logits_over_the_cache_close_to_hf(moe_checkpoint, name):
     """Prefill a prompt, then one token at a time: every decode step's logits match HF's full forward."""
@@ -178,6 +181,7 @@ def test_decode_logits_over_the_cache_close_to_hf(moe_checkpoint, name):
     engine.pool.release(table)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "qwen3_moe"])
 def test_speculative_verify_steps_keep_hf_tokens(moe_checkpoint, name):
     """Prompt-lookup drafts verified k + 1 tokens a step (over the latent cache for DeepSeek), rejected drafts
@@ -192,6 +196,7 @@ def test_speculative_verify_steps_keep_hf_tokens(moe_checkpoint, name):
     assert llm.engine.spec.counters.num_draft_tokens > 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["deepseek_v3", "glm4_moe"])
 def test_multi_token_prediction_layer_past_the_decoder_is_skipped_at_load(moe_checkpoint, tmp_path, name):
     """Released checkpoints carry layer num_hidden_layers (the MTP module): loading leaves it unread."""

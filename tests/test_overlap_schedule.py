@@ -3,6 +3,8 @@ give exactly what the synchronous schedule gives, whatever stops, aborts and sam
 path runs its body eagerly on the CPU here, so the placeholder / input_src bookkeeping is the real one."""
 from __future__ import annotations
 
+import pytest
+
 import random
 
 from kestrel import LLM, SamplingParams
@@ -24,6 +26,7 @@ def _llm(path: str, overlap: bool, **kw) -> tuple[LLM, list[int]]:
     return llm, overlapped
 
 
+@pytest.mark.slow
 def test_overlap_matches_synchronous_schedule_with_stops_and_sampling(checkpoint_factory):
     path = str(checkpoint_factory("llama"))
     rng = random.Random(0)
@@ -60,6 +63,7 @@ def test_overlap_matches_synchronous_schedule_with_stops_and_sampling(checkpoint
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.slow
 def test_abort_with_a_step_in_flight(checkpoint_factory):
     path = str(checkpoint_factory("llama"))
     params = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
@@ -90,6 +94,7 @@ def test_abort_with_a_step_in_flight(checkpoint_factory):
     assert engine.pool.num_free == engine.pool.num_blocks
 
 
+@pytest.mark.slow
 def test_sampled_rows_ride_the_overlap_and_draw_what_the_synchronous_schedule_draws(checkpoint_factory):
     """Seeded temperature / top-k / top-p / min-p rows: the device draw after each launch (written over the
     argmax, fed to the next launch) gives the synchronous schedule's tokens, and the rows are overlapped."""

@@ -21,6 +21,7 @@ def run(path, disable: bool, prompts, **kw):
     return llm, first + rest
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("model", ["random", "default"])
 def test_greedy_outputs_identical_with_and_without_cache(checkpoint_factory, model):
     if model == "default" and not (DEFAULT_MODEL_DIR / "config.json").is_file():
@@ -48,6 +49,7 @@ def test_n_samples_share_the_prompt_blocks(checkpoint_factory):
     assert [o.token_ids for o in out.outputs] == [o.token_ids for o in out_off.outputs]
 
 
+@pytest.mark.slow
 def test_cache_with_preemption_and_chunked_prefill_keeps_tokens_and_frees_blocks(checkpoint_factory):
     path = checkpoint_factory("llama")
     rng = random.Random(1)

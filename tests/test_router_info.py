@@ -14,6 +14,8 @@ from kestrel.server.app import ServerConfig
 from kestrel.server.router_info import ThroughputMeter, WorkerIdentity, loads_body
 from tests.test_server import LiveServer
 
+pytestmark = pytest.mark.slow   # live servers started and shut down per test
+
 # smg's SchedulerLoadSnapshot: integers where it deserializes i32 (a float there fails the whole response)
 INT_FIELDS = ("dp_rank", "num_running_reqs", "num_waiting_reqs", "num_total_reqs", "num_used_tokens",
               "max_total_num_tokens", "max_running_requests", "num_total_tokens")

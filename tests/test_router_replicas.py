@@ -19,7 +19,7 @@ from kestrel.bench.launch import LaunchExit
 from kestrel.bench.replicas import ReplicaConfig, ReplicaSet, free_port_block, router_healthy_workers
 from tests.test_server import metric
 
-pytestmark = pytest.mark.timeout(900)
+pytestmark = [pytest.mark.timeout(900), pytest.mark.slow]
 
 MODEL = "kestrel-tiny"
 

@@ -241,6 +241,7 @@ def test_models_root_is_the_checkpoint_path_where_the_benchmark_finds_the_tokeni
     assert tokenizer is not None and tokenizer.encode(PROMPTS[0]) == llm.tokenizer.encode(PROMPTS[0])
 
 
+@pytest.mark.slow
 def test_metrics_count_what_happened(client, server, model_name):
     before_gen = metric(server.url, "kestrel:generation_tokens_total")
     before_prompt = metric(server.url, "kestrel:prompt_tokens_total")
@@ -336,6 +337,7 @@ def test_unknown_route_is_a_404_in_openai_error_format(server):
 
 # ---- load, disconnects and the KV cache ----------------------------------------------------------------------------
 
+@pytest.mark.slow
 def test_200_concurrent_streams_with_a_quarter_disconnecting_leave_no_kv_blocks_in_use(server):
     async def one(client: httpx.AsyncClient, i: int) -> str:
         leaver = i % 4 == 0
@@ -416,6 +418,7 @@ def guarded_server(checkpoint_factory):
         yield s
 
 
+@pytest.mark.slow
 def test_api_key_is_required_on_v1_but_not_on_health(guarded_server):
     url = guarded_server.url
     body = {"prompt": "x", "max_tokens": 1}
@@ -457,6 +460,7 @@ def test_full_queue_answers_503_until_it_drains(guarded_server):
     assert waited.status_code == 200 and waited.json()["usage"]["completion_tokens"] >= 1
 
 
+@pytest.mark.slow
 def test_an_engine_error_fails_the_requests_in_flight_but_not_the_server(server, client, model_name):
     # Inject a device failure into the real runner (its next forward pass), inside the engine process.
     server.engine.inject_step_failure("CUDA error: an illegal memory access was encountered (injected)")

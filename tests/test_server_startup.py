@@ -2,6 +2,8 @@
 start stops the server, and SIGTERM ends `kestrel serve` cleanly within 10 s."""
 from __future__ import annotations
 
+import pytest
+
 import logging
 import signal
 import socket
@@ -74,6 +76,7 @@ def start_in_thread(app) -> tuple[KestrelServer, threading.Thread, str]:
     return server, thread, f"http://127.0.0.1:{sock.getsockname()[1]}"
 
 
+@pytest.mark.slow
 def test_a_hung_engine_start_shows_stalled_on_health_with_its_stack_then_recovers(checkpoint_factory, caplog):
     app = build_app(EngineConfig(model=str(checkpoint_factory("llama")), device="cpu"),
                     ServerConfig(stall_timeout_s=0.5))
@@ -103,6 +106,7 @@ def test_a_hung_engine_start_shows_stalled_on_health_with_its_stack_then_recover
         thread.join(timeout=15)
 
 
+@pytest.mark.slow
 def test_a_failed_engine_start_reports_failed_and_stops_the_server(tmp_path):
     app = build_app(EngineConfig(model=str(tmp_path / "missing"), device="cpu"), ServerConfig())
     server, thread, url = start_in_thread(app)
@@ -112,6 +116,7 @@ def test_a_failed_engine_start_reports_failed_and_stops_the_server(tmp_path):
     assert status["phase"] == "failed" and "does not exist" in status["error"]
 
 
+@pytest.mark.slow
 def test_kestrel_serve_walks_the_phases_and_exits_cleanly_on_sigterm(checkpoint_factory):
     port = free_port()
     url = f"http://127.0.0.1:{port}"

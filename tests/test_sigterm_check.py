@@ -4,12 +4,16 @@ ends it with status 0 within the limit, and nothing of its process tree is left 
 runs on GPUs with --device cuda)."""
 from __future__ import annotations
 
+import pytest
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 from tests.test_server_startup import free_port
+
+pytestmark = pytest.mark.slow   # a server with tensor-parallel ranks in a subprocess
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -25,6 +25,7 @@ def _silu_mul_linear(gate_up, w, bias=None):
     return F.linear(F.silu(gate) * up, w, bias)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", ["llama", "qwen3", "qwen2"])
 @pytest.mark.parametrize("choice", ["all", "none", "mixed", "cuda", "cuda_rope"])
 def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
@@ -63,7 +64,8 @@ def test_skinny_path_matches_the_layer_path(checkpoint_factory, arch, choice):
             module.method = skinny
     got = [o.outputs[0].token_ids for o in llm.generate(prompts, params)]   # decode steps: 3 rows, skinny
     assert got == expected
-    torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)  # 3 rows too
+    # 3 rows too; exact: on the CPU the skinny methods run their references, the plain road's ops in its order
+    torch.testing.assert_close(llm.engine.prompt_logits([5, 6, 7]), ref_logits, rtol=0, atol=0)
     # o_proj is square-ish: only "all" sends it to gemv; "cuda" sends o_proj and down_proj to its gemv
     folds = {"cuda"} if arch == "qwen3" else {"cuda", "rope"}
     assert set(calls) == {"all": {"gemv"}, "cuda": {"cuda"}, "cuda_rope": folds}.get(choice, set())

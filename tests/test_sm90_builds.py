@@ -9,7 +9,7 @@ import pytest
 from tests.sm90 import compile_for_sm90
 from tests.triton_interpreter import INTERPRETED
 
-pytestmark = pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
+pytestmark = [pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret"), pytest.mark.slow]
 
 # As the decode graphs bind them: int64 block tables and lengths (views of the runner's int64 buffers).
 DECODE_TYPES = {"block_table_ptr": "*i64", "kv_lens_ptr": "*i64", "part_out_ptr": "*fp32",

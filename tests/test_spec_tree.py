@@ -36,6 +36,7 @@ def test_tree_shape_mask_and_budget():
         draft_tree(3, 3, budget=10)
 
 
+@pytest.mark.slow
 def test_tree_greedy_batched_and_alone_is_token_identical(drafter_dir, reference):
     llm = LLM(device="cpu", speculative_config=tree_config(drafter_dir))
     check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
@@ -44,6 +45,7 @@ def test_tree_greedy_batched_and_alone_is_token_identical(drafter_dir, reference
         check_identical(llm, [PROMPTS[i]], [params[i]], [reference[i]])
 
 
+@pytest.mark.slow
 def test_tree_with_prefix_cache_chunked_prefill_and_preemption(drafter_dir):
     prompts = [p * 3 for p in PROMPTS[:12]]
     params = [greedy(40)] * len(prompts)
@@ -56,6 +58,7 @@ def test_tree_with_prefix_cache_chunked_prefill_and_preemption(drafter_dir):
     assert llm.engine.prefix_cache.stats.hit_tokens > 0
 
 
+@pytest.mark.slow
 def test_tree_on_the_graph_roads_is_token_identical(drafter_dir, reference):
     """The GPU's roads on the CPU (bodies run eagerly): a tree verify runner of size + 1 query tokens with the
     tree's positions and mask, then the drafter's one-launch extend and top-k drafting."""
@@ -120,6 +123,7 @@ def test_a_right_runner_up_is_accepted_and_its_kv_moved(drafter_dir, rank):
     assert c.accepted_per_pos == want, c
 
 
+@pytest.mark.slow
 def test_tree_sampling_keeps_the_first_token_distribution(drafter_dir):
     """Temperature 1: the first two generated tokens (the second one verified against the tree) have the same
     distribution with tree speculation as without (bucketed total variation, 1,000 samples each)."""

@@ -85,6 +85,7 @@ def test_greedy_alone_is_token_identical(method, drafter_dir, reference):
         check_identical(llm, [PROMPTS[i]], [params[i]], [reference[i]])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_prefix_cache_chunked_prefill_and_preemption(method, drafter_dir):
     """Twice through the same prompts (the second run hits the prefix cache), in 16-token prefill chunks, with a
@@ -100,6 +101,7 @@ def test_prefix_cache_chunked_prefill_and_preemption(method, drafter_dir):
     assert llm.engine.prefix_cache.stats.hit_tokens > 0
 
 
+@pytest.mark.slow
 def test_adaptive_policy_stays_token_identical(drafter_dir, reference):
     config = dict(spec_configs(drafter_dir)["eagle3"], adaptive=True)
     llm = LLM(device="cpu", speculative_config=config)
@@ -120,6 +122,7 @@ class OracleProposer(Proposer):
         return []
 
 
+@pytest.mark.slow
 def test_a_drafter_identical_to_the_target_is_always_accepted():
     prompts = PROMPTS[:8]
     params = greedy(1 + 4 * (K + 1))   # after the prefill's token, every verify step has room for K drafts
@@ -134,6 +137,7 @@ def test_a_drafter_identical_to_the_target_is_always_accepted():
     assert c.accepted_per_pos == [c.num_drafts] * K
 
 
+@pytest.mark.slow
 def test_synthetic_acceptance_mode(drafter_dir):
     """The benchmark mode accepts each draft position with the given probability, whatever the tokens: the first
     draft passes with probability p, and each later one with p given the ones before it passed."""
@@ -169,6 +173,7 @@ def chi_squared_p_value(a: Counter, b: Counter) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2), torch.tensor(stat / 2)))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_sampling_keeps_the_target_distribution(method, drafter_dir):
     """2,000 samples of the first 3 tokens at temperature 1, with and without speculation: each position's token
@@ -204,6 +209,7 @@ def bucketed_tv(a: Counter, b: Counter, top: int = 20) -> float:
     return 0.5 * sum(abs(x - y) for x, y in zip(fa, fb))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_verify_graph_road_pads_every_row_to_k_drafts(method, drafter_dir, reference):
     """The GPU's road on the CPU: a verify runner of K + 1 query tokens a sequence (forward/decode_graphs.py, its
@@ -220,6 +226,7 @@ def test_verify_graph_road_pads_every_row_to_k_drafts(method, drafter_dir, refer
     assert launches, "no verify step took the graph road"
 
 
+@pytest.mark.slow
 def test_drafter_graph_road_drafts_what_the_eager_drafter_drafts(drafter_dir, reference):
     """The GPU's drafter road on the CPU (forward/drafter_graphs.py, its body run eagerly): after every
     verify-graph step the drafter extends and drafts in one launch over padded rows. Output stays token-identical,
@@ -265,6 +272,7 @@ def on_graph_roads(llm: LLM) -> list[int]:
     return fused
 
 
+@pytest.mark.slow
 def test_device_verified_chain_with_preemption_and_the_prefix_cache(drafter_dir):
     """Greedy chain steps verified inside the drafter's launch (one read-back a step), with 16-token prefill
     chunks, a cache small enough to preempt and a second pass on the prefix cache: token-identical."""
@@ -279,6 +287,7 @@ def test_device_verified_chain_with_preemption_and_the_prefix_cache(drafter_dir)
     assert fused and llm.engine.scheduler.num_preemptions > 0
 
 
+@pytest.mark.slow
 def test_device_verified_chain_with_stops_min_tokens_and_sampled_rows(drafter_dir):
     """Stops inside an accepted run (EOS, stop tokens, max_tokens), min_tokens (verified on the host while a stop
     is banned) and a sampled row in the batch (the host's verification for those steps): the greedy rows stay

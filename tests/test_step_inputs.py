@@ -16,9 +16,10 @@ from tests.triton_interpreter import INTERPRETED, interpreted_only, run_file_und
 interpreted = interpreted_only("test_step_inputs_under_triton_interpreter")
 
 
+@pytest.mark.slow   # a child pytest running the file's kernels in Triton's interpreter
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_step_inputs_under_triton_interpreter():
-    run_file_under_interpreter(__file__)
+    run_file_under_interpreter(__file__, min_passed=2)   # all but the ones that skip in the child
 
 
 def _random_step(rng: random.Random, max_bs: int, bs: int, q: int, max_rows: int, width: int, block_size: int,

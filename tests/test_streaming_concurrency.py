@@ -15,9 +15,27 @@ from openai.types.chat import ChatCompletionChunk
 from kestrel.config import EngineConfig
 from tests.test_server import LiveServer
 
+pytestmark = pytest.mark.slow   # 48 concurrent streams against a live server
+
 CONCURRENCY = 48
 MAX_TOKENS = 24
-STALL_S = 1.0   # long enough for the engine to make most of a 64-token answer meanwhile
+STALL_S = 1.0   # the flood test's hold-up: long enough for 32 streams' events to fill the engine's pipe
+
+
+def hold_until_the_engine_rests(cap_s: float = 60.0) -> None:
+    """Block the calling thread (the server's event loop) until the engine process, a child of this one, stops
+    using CPU: it has made every token it can meanwhile. Waiting on the work rather than a fixed time keeps the
+    test independent of the machine's speed; the cap only bounds a hang."""
+    from kestrel.progress import descendant_cpu_seconds
+
+    start, last, still_since = time.monotonic(), descendant_cpu_seconds(), time.monotonic()
+    while time.monotonic() - start < cap_s:
+        time.sleep(0.1)
+        now = descendant_cpu_seconds()
+        if now > last + 0.02:
+            last, still_since = now, time.monotonic()
+        elif time.monotonic() - still_since >= 0.5:
+            return
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +123,7 @@ def test_a_reader_that_fell_behind_gets_several_tokens_per_chunk_with_exact_usag
         payload["messages"] = [{"role": "user", "content": payload.pop("prompt")}]
 
     def stall_the_server() -> None:
-        server.server._loop.call_soon_threadsafe(time.sleep, STALL_S)
+        server.server._loop.call_soon_threadsafe(hold_until_the_engine_rests)
 
     async def go():
         async with httpx.AsyncClient(timeout=120) as client:

@@ -57,6 +57,7 @@ CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,case", CASES, ids=[f"tp{tp}-" + "-".join(f"{k}={v}" for k, v in c.items())
                                                 for tp, c in CASES])
 def test_tp_logits_and_greedy_tokens_equal_one_rank(checkpoint_factory, tp, case):
@@ -73,6 +74,7 @@ MOE_CASES = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("tp,name", MOE_CASES, ids=[f"tp{tp}-{name}" for tp, name in MOE_CASES])
 def test_moe_tp_logits_and_greedy_tokens_equal_one_rank(moe_checkpoint, tp, name):
     """Every expert on every rank, each expert's width split, the router replicated, one all-reduce a MoE
@@ -110,10 +112,12 @@ def test_latent_attention_heads_that_do_not_split_are_refused(moe_checkpoint):
         LLM(model=str(moe_checkpoint("deepseek_v3")), device="cpu", tensor_parallel_size=3)
 
 
+@pytest.mark.slow
 def test_default_model_at_tp2_equals_one_rank():
     assert_same(None, 2)
 
 
+@pytest.mark.slow
 def test_chunked_prefill_and_preemption_at_tp2_keep_tokens(checkpoint_factory):
     # 4-token blocks, few of them, and a 16-token step budget: prompts in chunks, decodes preempted
     assert_same(str(checkpoint_factory("llama")), 2, block_size=4, num_gpu_blocks_override=24,
@@ -165,6 +169,7 @@ def _worker_processes():
             if "kestrel.ranks.worker" in " ".join(p.cmdline())]
 
 
+@pytest.mark.slow
 def test_a_killed_rank_fails_the_next_generate_with_its_name(checkpoint_factory):
     from kestrel.ranks.driver import RankFailure
 
@@ -178,6 +183,7 @@ def test_a_killed_rank_fails_the_next_generate_with_its_name(checkpoint_factory)
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_a_hung_rank_is_named_after_the_timeout_instead_of_hanging(checkpoint_factory):
     import signal
     import time
@@ -198,6 +204,7 @@ def test_a_hung_rank_is_named_after_the_timeout_instead_of_hanging(checkpoint_fa
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_shutdown_stops_every_rank(checkpoint_factory):
     llm = LLM(model=str(checkpoint_factory("llama")), device="cpu", tensor_parallel_size=2)
     procs = dict(llm.engine.runner.ranks.procs)

@@ -16,6 +16,8 @@ import pytest
 from kestrel import LLM, SamplingParams
 from tests.test_server_startup import free_port, poll_health
 
+pytestmark = pytest.mark.slow   # a server in a subprocess with tensor-parallel ranks
+
 PROMPTS = ["def main(", "import os\nimport"]
 MAX_TOKENS = 8
 

@@ -8,6 +8,7 @@ import torch.nn.functional as F
 
 from kestrel.attention.torch_ref import TorchAttentionBackend, paged_attention
 from kestrel.batch import build_forward_batch
+from tests.tolerances import scaled
 
 BLOCK = 4
 
@@ -40,7 +41,7 @@ def test_decode_rows_equal_attention_per_sequence(kv_heads, group):
     got = paged_attention(q, k_cache, v_cache, tables, torch.arange(6, dtype=torch.int32),
                           torch.tensor(kv_lens, dtype=torch.int32), 1, max(kv_lens), 0.3)
     want = per_sequence(q, k_cache, v_cache, tables.tolist(), [1] * 5, kv_lens, 0.3)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **scaled(dict(atol=1e-5, rtol=1e-5), want))
 
 
 def test_a_mixed_step_equals_attention_per_sequence():
@@ -62,4 +63,4 @@ def test_a_mixed_step_equals_attention_per_sequence():
     v = torch.randn(total, kv_heads, d, generator=g)
     got = TorchAttentionBackend().forward(q, k, v, k_cache, v_cache, batch, 0.25)
     want = per_sequence(q, k_cache, v_cache, tables, new, [c + n for c, n in zip(context, new)], 0.25)
-    torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got, want, **scaled(dict(atol=1e-5, rtol=1e-5), want))

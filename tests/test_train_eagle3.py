@@ -20,6 +20,7 @@ from kestrel.train.data import Sample, load_prompts
 from kestrel.train.drafter import TrainableEagle3, ttt_loss
 from kestrel.train.trainer import TrainConfig, save_drafter, train_eagle3
 from kestrel.train.vocab import coverage, select_draft_vocab, token_counts
+from tests.tolerances import scaled
 
 TARGET = ModelConfig(architecture="LlamaForCausalLM", vocab_size=96, hidden_size=48, intermediate_size=64,
                      num_layers=6, num_heads=4, num_kv_heads=2, head_dim=12, rms_norm_eps=1e-5, rope_theta=10000.0,
@@ -80,7 +81,8 @@ def test_unrolled_steps_equal_the_serving_drafter_after_save_and_load(tmp_path, 
                 normed, hidden = served(batch, hidden, backend, (cache[0], cache[1]))
                 got.append(served.compute_logits(normed)[0])
             for step in range(steps):
-                torch.testing.assert_close(got[step], unrolled[step][s, last], atol=2e-4, rtol=2e-4)
+                torch.testing.assert_close(got[step], unrolled[step][s, last],
+                                           **scaled(dict(atol=2e-4, rtol=2e-4), unrolled[step][s, last]))
 
 
 def served_state(path: Path) -> dict[str, torch.Tensor]:
@@ -162,6 +164,7 @@ def code_prompts(tmp_path_factory) -> Path:
     return path
 
 
+@pytest.mark.slow
 def test_training_writes_the_standard_format_deterministically_and_resumes_to_the_same_loss(tmp_path, code_prompts):
     full = _train(tmp_path / "a", code_prompts)
     assert full.finished and full.steps == 9 and full.num_sequences == 6
@@ -190,6 +193,7 @@ def test_training_writes_the_standard_format_deterministically_and_resumes_to_th
         _train(tmp_path / "c", code_prompts, lr=5e-4)
 
 
+@pytest.mark.slow
 def test_a_trained_drafter_serves_with_greedy_output_unchanged(tmp_path, code_prompts):
     from kestrel.llm import LLM
     from kestrel.sampling_params import SamplingParams

@@ -24,3 +24,20 @@ def assert_close_relative(got: torch.Tensor, ref: torch.Tensor, rtol: float, wha
     assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
     rel = relative_error(got, ref)
     assert rel <= rtol, f"{what}: relative error {rel:.2e} > {rtol:.0e}"
+
+
+def scaled(tol: dict, ref: torch.Tensor) -> dict:
+    """An assert_close tolerance (atol, rtol) whose absolute part is multiplied by the reference's largest
+    magnitude where that exceeds one: the given atol was chosen for values of order one, and a reordered sum's error
+    grows with the magnitude of what it sums (logits of ~12 miss an atol picked for ~1)."""
+    scale = ref.detach().abs().max().item() if ref.numel() else 0.0
+    return dict(tol, atol=tol["atol"] * max(1.0, scale))
+
+
+def assert_close_scaled(got: torch.Tensor, ref: torch.Tensor, tol: float, what: str = "") -> None:
+    """Shapes equal and max |got - ref| <= tol * max(1, max |ref|): `tol` absolute for values of order one,
+    relative to the largest magnitude above that."""
+    assert got.shape == ref.shape, f"{what}: shape {tuple(got.shape)} != {tuple(ref.shape)}"
+    scale = max(1.0, ref.double().abs().max().item() if ref.numel() else 0.0)
+    err = (got.double() - ref.double()).abs().max().item() if ref.numel() else 0.0
+    assert err <= tol * scale, f"{what}: max error {err:.2e} > {tol:.0e} x {scale:.3g}"
