@@ -271,13 +271,54 @@ def test_scales_shard_with_their_weights(cls, kind):
 
 
 def test_block_scales_that_split_a_tile_are_refused():
-    layer = QKVParallelLinear(64, 32, 4, 2, tp=TPGroup(rank=1, size=2),
-                              method=Fp8LinearMethod(Fp8Scheme(method="fp8", block=(64, 64),
+    """A row-parallel split of 200 input columns over 2 ranks starts rank 1 at column 100, inside a 128-wide
+    tile: refused, naming the tensor and the rank count that would do (1)."""
+    layer = RowParallelLinear(200, 64, tp=TPGroup(rank=1, size=2),
+                              method=Fp8LinearMethod(Fp8Scheme(method="fp8", block=(128, 128),
                                                                scale_name="weight_scale_inv")))
-    w8, scale = quantize_per_block(_full_weights(64, 64, seed=0), (64, 64))
-    with pytest.raises(ModelLoadError, match=r"block scales of \[64, 64\] do not line up"):
-        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, "k_proj.weight_scale_inv",
-                                             shard_id="k")
+    w8, scale = quantize_per_block(_full_weights(64, 200, seed=0), (128, 128))
+    with pytest.raises(ModelLoadError, match=r"tensor down_proj.weight_scale_inv: FP8 block scales of \[128, 128\] "
+                       r"do not line up .*input columns 100..200 of 200.* over 2 ranks .* over 1 rank "):
+        layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, "down_proj.weight_scale_inv")
+
+
+# (layer, its checkpoint tensors (shard id, rows), in_features, TP size): parts that are not multiples of the
+# 128-row tile (SmolLM2's q is 576 rows), a last partial tile along the input, and rank rows starting mid-tile
+PARTIAL = {
+    "qkv-9-3-heads": (lambda tp, m: QKVParallelLinear(320, 32, 9, 3, tp=tp, method=m),
+                      [("q", 288), ("k", 96), ("v", 96)], 320, 1),
+    "gate-up-200": (lambda tp, m: MergedColumnParallelLinear(320, [200, 200], tp=tp, method=m),
+                    [(0, 200), (1, 200)], 320, 1),
+    "down-200": (lambda tp, m: RowParallelLinear(200, 320, tp=tp, method=m), [(None, 320)], 200, 1),
+    "qkv-tp2-mid-tile": (lambda tp, m: QKVParallelLinear(320, 32, 6, 2, tp=tp, method=m),
+                         [("q", 192), ("k", 64), ("v", 64)], 320, 2),
+}
+
+
+@pytest.mark.parametrize("key", list(PARTIAL))
+def test_block_scales_with_partial_tiles_load_and_compute(key):
+    """HF block scales are ceil-sized: a tensor's last tile may be short. Each rank's dequantized weight is its
+    rows of the dequantized checkpoint tensors, and the layer's matmul is x @ that.T."""
+    build, shards, in_features, tp = PARTIAL[key]
+    block = (128, 128)
+    checkpoint = []
+    for i, (shard_id, rows) in enumerate(shards):
+        w8, scale = quantize_per_block(_full_weights(rows, in_features, seed=i), block)
+        assert scale.shape == (-(-rows // 128), -(-in_features // 128))
+        checkpoint.append((shard_id, w8, scale, plain_dequantize(w8, scale, block)))
+    x = torch.randn(3, in_features, generator=torch.Generator().manual_seed(7))
+    for rank in range(tp):
+        method = Fp8LinearMethod(Fp8Scheme(method="fp8", block=block, scale_name="weight_scale_inv"))
+        layer = build(TPGroup(rank=rank, size=tp), method)
+        for shard_id, w8, scale, _ in checkpoint:
+            kw = {} if shard_id is None else {"shard_id": shard_id}
+            layer.weight.weight_loader(layer.weight, w8, "w", **kw)
+            layer.weight_scale_inv.weight_loader(layer.weight_scale_inv, scale, "s", **kw)
+        got = dequantize(layer.weight, layer.weight_scale_inv, method.block(layer))
+        want = torch.cat([full.chunk(tp)[rank] for _, _, _, full in checkpoint])
+        assert torch.equal(got, want)
+        out = method.apply(layer, x)
+        assert_close_scaled(out, x @ want.T, 1e-5, "partial-tile FP8 matmul")
 
 
 @pytest.mark.slow
@@ -397,3 +438,50 @@ def test_static_activation_and_kv_cache_scales_are_not_read():
                  "model.layers.0.self_attn.v_scale"):
         assert placer.skips(name)
     assert not placer.skips("model.layers.0.self_attn.q_proj.weight_scale")
+
+
+# -- `kestrel quantize` output loads, on the shapes that break tiles ---------------------------------------------
+
+# hidden 288 and intermediate 200 (not multiples of 128), 9 heads of 32 and 3 KV heads (q 288 rows, k/v 96;
+# HF wants hidden = heads x head_dim), the shape of SmolLM2-135M (576, 9 / 3 heads of 64) at half the size
+RAGGED = dict(hidden_size=288, intermediate_size=200, num_heads=9, num_kv_heads=3, head_dim=32)
+QUANTIZE_ARGS = {
+    "default": [],   # hf, 128 x 128 blocks
+    "hf-tensor": ["--strategy", "tensor"],
+    "ct-channel": ["--format", "compressed-tensors"],
+    "ct-tensor": ["--format", "compressed-tensors", "--strategy", "tensor"],
+    "ct-block": ["--format", "compressed-tensors", "--strategy", "block"],
+}
+
+
+@pytest.mark.parametrize("key", list(QUANTIZE_ARGS))
+def test_every_format_kestrel_quantize_writes_loads_with_ragged_shapes(checkpoint_factory, tmp_path, key):
+    """`kestrel quantize` on a model whose rows and columns are not multiples of the 128 tile loads at TP=1 and
+    matches its own dequantized weights run by HF transformers (prompt logits within LOGIT_TOL of the largest,
+    greedy tokens equal)."""
+    from kestrel.cli import main
+
+    src = checkpoint_factory(**RAGGED)
+    out = tmp_path / "fp8"
+    assert main(["quantize", str(src), str(out), *QUANTIZE_ARGS[key]]) == 0
+    llm = LLM(model=str(out), device="cpu")
+    try:
+        assert_matches_reference(llm, float_reference(out, tmp_path / "ref"))
+    finally:
+        llm.shutdown()
+
+
+@pytest.mark.slow
+def test_a_tp_split_that_cuts_a_tile_is_refused_naming_the_tensor_and_rank_counts(checkpoint_factory, tmp_path):
+    """Intermediate 200 over 2 ranks starts rank 1's down_proj columns at 100, inside a 128-wide tile: refused at
+    load with the tensor and the rank count that would do. (The column-parallel rows split mid-tile load: each
+    row keeps its tile's scale.)"""
+    from kestrel.cli import main
+
+    src = checkpoint_factory(hidden_size=192, intermediate_size=200, num_heads=6, num_kv_heads=2, head_dim=32)
+    out = tmp_path / "fp8"
+    assert main(["quantize", str(src), str(out)]) == 0
+    with pytest.raises(KestrelError, match=r"down_proj\.weight_scale_inv: FP8 block scales of \[128, 128\] do not "
+                       r"line up .* over 2 ranks cuts a 128-wide tile; this tensor splits on tile boundaries over "
+                       r"1 rank "):
+        LLM(model=str(out), device="cpu", tensor_parallel_size=2)

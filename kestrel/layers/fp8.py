@@ -10,10 +10,18 @@ one of two layouts (W ≈ weight.float() * scale, kestrel/kernels/fp8_quant.py):
                                              round every shard's values again), and the one epilogue (a per-row
                                              multiply) serves per-tensor and per-channel alike.
     block  [ceil(out / bn), ceil(in / bk)]   one scale per bn x bk tile (HF "fp8" with weight_block_size).
+                                             The last tile of a tensor may be short (HF's scales are ceil-sized).
+    rows   [out, ceil(in / bk)]              block scales whose row tiles do not line up with the layer's rows
+                                             (a merged q|k|v or gate|up whose parts are not multiples of bn, e.g.
+                                             q 576 rows in 128-row tiles, or a rank's rows starting mid-tile):
+                                             each tile's scale repeated over its rows, the layer's block (1, bk)
+                                             (`layer.fp8_block`). Exact; CUDA runs it through the dequantizing
+                                             reference.
 
 Scales are cut for tensor parallelism by the layer's own `Placement` (layers/linear.py), in units of their tile:
 a rank's rows (column-parallel) or columns (row-parallel) of the weight take the same rows or columns of the
-scales, so a shard must start on a tile boundary (checked at load, with a message).
+scales. Rows never cut a tile (a misaligned layer takes the `rows` layout); a row-parallel split of the input
+columns must start each rank on a column tile, which is checked at load, naming the rank counts that would do.
 
 How a call runs:
 
@@ -108,10 +116,10 @@ class Fp8LinearMethod(LinearMethod):
         weight.weight_loader = lambda p, t, name="?", shard_id=None: self.load_weight(layer, t, name, shard_id)
         weight.casts_itself = True   # the placer must not cast: an FP8 tensor stays FP8, a float one is checked
         layer.weight = weight
-        if self.scheme.block is None:
-            shape = (layer.out_features, 1)
-        else:
-            bn, bk = self.scheme.block
+        shape = (layer.out_features, 1)
+        layer.fp8_block = self._layer_block(layer)
+        if layer.fp8_block is not None:
+            bn, bk = layer.fp8_block
             shape = (-(-layer.out_features // bn), -(-layer.in_features // bk))
         scale = torch.ones(shape, dtype=torch.float32)
         if self.scheme.online:   # filled by the weight's loader, not a checkpoint tensor: a buffer
@@ -121,6 +129,33 @@ class Fp8LinearMethod(LinearMethod):
             param.weight_loader = lambda p, t, name="?", shard_id=None: self.load_scale(layer, t, name, shard_id)
             param.casts_itself = True
             layer.register_parameter(self.scheme.scale_name, param)
+
+    def _layer_block(self, layer: LinearBase) -> tuple[int, int] | None:
+        """The scheme's block, or (1, bk) where a checkpoint tensor's row tiles would not line up with the
+        layer's rows (module docstring: the `rows` layout)."""
+        if self.scheme.block is None:
+            return None
+        bn, bk = self.scheme.block
+        if getattr(layer, "tp_dim", 0) == 1:
+            return self.scheme.block   # all the checkpoint's rows, in order
+        if hasattr(layer, "output_sizes"):
+            shards = range(len(layer.output_sizes))
+        elif hasattr(layer, "num_kv_heads") and hasattr(layer, "kv_shard"):
+            shards = ("q", "k", "v")
+        else:
+            shards = (None,)
+        for shard in shards:
+            place = layer.placement() if shard is None else layer.placement(shard)
+            if place.dim != 0:
+                continue
+            ends = place.src + place.size == place.full and place.dst + place.size == layer.out_features
+            if place.dst % bn or place.src % bn or (place.size % bn and not ends):
+                return (1, bk)
+        return self.scheme.block
+
+    def block(self, layer: LinearBase) -> tuple[int, int] | None:
+        """The tile of this layer's scales: the scheme's, or (1, bk) in the `rows` layout."""
+        return getattr(layer, "fp8_block", self.scheme.block)
 
     def scale(self, layer: LinearBase) -> torch.Tensor:
         return getattr(layer, self.scheme.scale_name)
@@ -164,12 +199,23 @@ class Fp8LinearMethod(LinearMethod):
                 scale = take_slice(scale, place, name)
             _copy_checked(rows, scale, name)
             return
-        tile = self.scheme.block[place.dim]
-        at_end = place.dst + place.size == (layer.out_features if place.dim == 0 else layer.in_features)
+        block = self.block(layer)
+        if block != self.scheme.block:   # the rows layout: each row tile's scale over its rows
+            rows = place.full if place.dim == 0 else layer.out_features
+            scale = scale.repeat_interleave(self.scheme.block[0], dim=0)[:rows]
+        tile = block[place.dim]
+        at_end = (place.dst + place.size == (layer.out_features if place.dim == 0 else layer.in_features)
+                  and place.src + place.size == place.full)
         if place.dst % tile or place.src % tile or (place.size % tile and not at_end):
-            raise ModelLoadError(f"tensor {name}: FP8 block scales of {list(self.scheme.block)} do not line up "
-                                 f"with this shard (rows {place.src}..{place.src + place.size} of {place.full} along "
-                                 f"dim {place.dim}); tensor parallelism needs shards that start on a tile boundary")
+            what = "rows" if place.dim == 0 else "input columns"
+            ranks = place.full // place.size if place.size else 1
+            fits = [n for n in range(1, 9) if place.full % n == 0 and (n == 1 or (place.full // n) % tile == 0)]
+            raise ModelLoadError(
+                f"tensor {name}: FP8 block scales of {list(self.scheme.block)} do not line up with this shard "
+                f"({what} {place.src}..{place.src + place.size} of {place.full}): splitting it over {ranks} ranks "
+                f"cuts a {tile}-wide tile; this tensor splits on tile boundaries over "
+                f"{' or '.join(map(str, fits))} rank{'s' if fits != [1] else ''} (tensor parallelism needs shards "
+                "that start on a tile boundary)")
         tiles = Placement(place.dim, place.dst // tile, place.src // tile, -(-place.size // tile),
                           -(-place.full // tile))
         _copy_checked(place_slice(target, tiles), take_slice(scale, tiles, name), name)
@@ -178,12 +224,15 @@ class Fp8LinearMethod(LinearMethod):
     def _skinny(self, x: torch.Tensor) -> bool:
         return self.skinny is not None and self.scheme.block is None and x.shape[0] <= self.small_max_rows
 
-    def _small_folded(self, x: torch.Tensor) -> bool:
-        return self.small_folds is not None and self.scheme.block is not None and x.shape[0] <= self.small_max_rows
+    def _small_folded(self, x: torch.Tensor, layer: LinearBase) -> bool:
+        return (self.small_folds is not None and self.scheme.block is not None
+                and self.block(layer) == self.scheme.block and x.shape[0] <= self.small_max_rows)
 
     def apply(self, layer: LinearBase, x: torch.Tensor) -> torch.Tensor:
         scale = self.scale(layer)
-        block = self.scheme.block
+        block = self.block(layer)
+        if block != self.scheme.block:   # the rows layout: the reference (module docstring)
+            return F.linear(x, dequantize(layer.weight, scale, block).to(x.dtype), layer.bias)
         if self._skinny(x):
             return self.skinny.gemv(x, layer.weight, layer.bias, w_scale=scale)
         if self.small is not None and block is not None and x.shape[0] <= self.small_max_rows:
@@ -199,7 +248,7 @@ class Fp8LinearMethod(LinearMethod):
         if self._skinny(x):
             return self.skinny.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight, layer.bias,
                                                  w_scale=self.scale(layer))
-        if self._small_folded(x):
+        if self._small_folded(x, layer):
             return self.small_folds.add_rms_norm_gemv(x, residual, norm.weight, norm.eps, layer.weight,
                                                       self.scale(layer), self.scheme.block, layer.bias)
         return super().apply_norm(layer, x, residual, norm)
@@ -208,7 +257,7 @@ class Fp8LinearMethod(LinearMethod):
                    silu_and_mul: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
         if self._skinny(gate_up):
             return self.skinny.silu_mul_gemv(gate_up, layer.weight, layer.bias, w_scale=self.scale(layer))
-        if self._small_folded(gate_up):
+        if self._small_folded(gate_up, layer):
             return self.small_folds.silu_mul_gemv(gate_up, layer.weight, self.scale(layer), self.scheme.block,
                                                   layer.bias)
         return super().apply_silu(layer, gate_up, silu_and_mul)
