@@ -8,7 +8,7 @@ from pathlib import Path
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("quantize", help="float HF checkpoint directory -> FP8 checkpoint (hf fp8 or "
                        "compressed-tensors)")
-    p.add_argument("source", help="float HF checkpoint directory")
+    p.add_argument("source", help="float HF checkpoint directory (a GGUF file or a short name: kestrel convert it first)")
     p.add_argument("out_dir", help="directory to write (new or empty)")
     p.add_argument("--format", dest="fmt", default="hf", choices=["hf", "compressed-tensors"],
                    help="hf: quant_method fp8 (DeepSeek-V3 / Qwen3-FP8 style); compressed-tensors: "

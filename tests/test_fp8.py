@@ -485,3 +485,38 @@ def test_a_tp_split_that_cuts_a_tile_is_refused_naming_the_tensor_and_rank_count
                        r"line up .* over 2 ranks cuts a 128-wide tile; this tensor splits on tile boundaries over "
                        r"1 rank "):
         LLM(model=str(out), device="cpu", tensor_parallel_size=2)
+
+
+def _gguf_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+@pytest.mark.parametrize("source", ["missing", "smollm2", "gguf", "no-config"])
+def test_quantize_of_what_is_not_an_hf_directory_is_one_error_line(tmp_path, capsys, source):
+    from kestrel.cli import main
+
+    src = {"missing": lambda: tmp_path / "nope", "smollm2": lambda: Path("smollm2"),
+           "gguf": lambda: _gguf_file(tmp_path), "no-config": lambda: tmp_path}[source]()
+    out = tmp_path / "out"
+    assert main(["quantize", str(src), str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: ") and "Traceback" not in err[0], err
+    if source in ("smollm2", "gguf"):
+        assert "kestrel convert" in err[0]
+    assert not out.exists()
+
+
+def test_quantize_writes_its_own_model_card(checkpoint_factory, tmp_path):
+    """The source's README.md (its model card) is not copied as if it described the FP8 checkpoint."""
+    from kestrel.cli import main
+
+    src = tmp_path / "src"
+    shutil.copytree(checkpoint_factory(), src)
+    (src / "README.md").write_text("# The source model\n\nTrained on things.\n")
+    out = tmp_path / "fp8"
+    assert main(["quantize", str(src), str(out)]) == 0
+    card = (out / "README.md").read_text()
+    assert card != (src / "README.md").read_text()
+    assert "FP8" in card and "quantization of" in card and "128x128" in card and str(src) in card

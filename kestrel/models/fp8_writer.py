@@ -10,8 +10,9 @@
 
 The decoder layers' projections (`model.layers.*_proj`) are quantized, except the modules in `ignore`; every
 other tensor (embeddings, norms, lm_head) is copied as it is. Each input file becomes an output file of the same
-name (a sharded checkpoint's index is rewritten with the scales). Used by tests and the GPU suite; `kestrel
-quantize` runs it.
+name (a sharded checkpoint's index is rewritten with the scales). The tokenizer and generation files are copied;
+the source's model card (README.md) is not: a short card says what was quantized, from what, and how. Used by tests
+and the GPU suite; `kestrel quantize` runs it.
 """
 from __future__ import annotations
 
@@ -26,9 +27,42 @@ from safetensors.torch import save_file
 from kestrel.errors import KestrelError
 from kestrel.kernels.fp8_quant import quantize_per_block, quantize_per_row, quantize_per_tensor
 from kestrel.models.loader import checkpoint_files
+from kestrel.models.names import MODELS
 
 FORMATS = ("hf", "compressed-tensors")
 STRATEGIES = {"hf": ("block", "tensor"), "compressed-tensors": ("channel", "tensor", "block")}
+
+
+def check_source(src: Path) -> None:
+    """A float HF checkpoint directory (config.json and *.safetensors), or a KestrelError that says what `src` is
+    instead: missing, a GGUF file, a short model name (those are GGUF files), a directory without a checkpoint."""
+    convert = f"convert it to an HF directory first: kestrel convert {src} DIR"
+    if src.suffix.lower() == ".gguf" or (str(src).lower() in MODELS and not src.exists()):
+        what = "a GGUF file" if src.suffix.lower() == ".gguf" else "a short name for a GGUF model"
+        raise KestrelError(f"{src} is {what}; kestrel quantize reads a float HF safetensors directory: {convert}")
+    if not src.exists():
+        raise KestrelError(f"{src} does not exist: kestrel quantize reads a float HF safetensors directory")
+    if not src.is_dir():
+        raise KestrelError(f"{src} is not a directory: kestrel quantize reads a float HF safetensors directory")
+    if not (src / "config.json").is_file():
+        raise KestrelError(f"{src} has no config.json: kestrel quantize reads a float HF safetensors directory")
+    if not (src / "model.safetensors.index.json").is_file() and not any(src.glob("*.safetensors")):
+        raise KestrelError(f"{src} has no *.safetensors files: kestrel quantize reads a float HF safetensors "
+                           "directory")
+
+
+def model_card(src: Path, fmt: str, strategy: str, block: tuple[int, int], ignore: tuple[str, ...]) -> str:
+    """The README.md of a written checkpoint: what it is an FP8 quantization of, and how."""
+    how = {"block": f"one scale per {block[0]}x{block[1]} tile", "channel": "one scale per output channel",
+           "tensor": "one scale per tensor"}[strategy]
+    fmt_name = "HF fp8 (quant_method fp8)" if fmt == "hf" else "compressed-tensors (float-quantized)"
+    kept = f" {', '.join(ignore)} left float too." if ignore else ""
+    return (f"# FP8 quantization of {src.name}\n\n"
+            f"This checkpoint is an FP8 (E4M3) quantization of `{src}`, written by `kestrel quantize` in the "
+            f"{fmt_name} format: the decoder layers' linear weights in FP8 with float32 scales ({how}), "
+            f"activations quantized dynamically per token; embeddings, norms and lm_head are as in the source."
+            f"{kept}\n\nIt is not the source model: its outputs differ slightly. See the source model's own card "
+            "for its license, training and intended use.\n")
 
 
 def _quantized(name: str, tensor: torch.Tensor, ignore: tuple[str, ...]) -> bool:
@@ -81,6 +115,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str = "hf", strategy: str | 
     if strategy not in STRATEGIES[fmt]:
         raise KestrelError(f"FP8 format {fmt} has no strategy {strategy!r}: expected "
                            f"{', '.join(STRATEGIES[fmt])}")
+    check_source(src)
     config = json.loads((src / "config.json").read_text())
     if config.get("quantization_config"):
         raise KestrelError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')})")
@@ -107,8 +142,9 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str = "hf", strategy: str | 
             {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=2))
     config["quantization_config"] = quantization_config(fmt, strategy, block, ignore)
     (dst / "config.json").write_text(json.dumps(config, indent=2))
-    for extra in src.iterdir():   # tokenizer, generation config, chat template, model card
+    for extra in src.iterdir():   # tokenizer, generation config, chat template (not the model card)
         if extra.is_file() and extra.suffix != ".safetensors" and extra.name not in (
-                "config.json", "model.safetensors.index.json"):
+                "config.json", "model.safetensors.index.json", "README.md"):
             shutil.copy2(extra, dst / extra.name)
+    (dst / "README.md").write_text(model_card(src, fmt, strategy, block, ignore))
     return dst
