@@ -181,7 +181,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(CompletionRequest, await request.body())
+        req = _parse(CompletionRequest, await _json_body(request))
         check_model(req.model, state.model_name)
         completions.check_unsupported(req)
         params = sampling_params(req, req.max_tokens, req.logprobs)
@@ -201,7 +201,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_chat_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(ChatCompletionRequest, await request.body())
+        req = _parse(ChatCompletionRequest, await _json_body(request))
         check_model(req.model, state.model_name)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         trace.parsed = time.monotonic()
@@ -261,6 +261,25 @@ def _trace(request: Request) -> FirstTokenTrace:
     """The request's first-token trace, from StampReceived's stamp (the route's entry where it is missing)."""
     received = request.scope.get(RECEIVED)
     return FirstTokenTrace(received if received is not None else time.monotonic())
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json (any parameters, such as charset) or a `+json` type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _json_body(request: Request) -> bytes:
+    """The body of a POST that takes JSON. Anything but `Content-Type: application/json` is a 415: a web page can
+    send text/plain, a form or multipart (or no type at all) without a CORS preflight, so accepting those would let
+    any page a browser opens start generations on a server without a key."""
+    if not _is_json(request.headers.get("content-type")):
+        got = request.headers.get("content-type")
+        raise APIError(415, f"unsupported Content-Type {got!r}: send the body as JSON with "
+                       "`Content-Type: application/json`" if got else
+                       "missing Content-Type: send the body as JSON with `Content-Type: application/json`",
+                       code="unsupported_media_type")
+    return await request.body()
 
 
 def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
