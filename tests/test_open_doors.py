@@ -2,6 +2,10 @@
 A real uvicorn on loopback (tests/test_server.py's LiveServer), raw HTTP through httpx."""
 from __future__ import annotations
 
+import json
+import threading
+import time
+
 import httpx
 import pytest
 
@@ -54,3 +58,99 @@ def test_json_bodies_are_served(server, endpoint, content_type):
     r = httpx.post(f"{server.url}/v1/{endpoint}", content=BODIES[endpoint], headers={"content-type": content_type},
                    timeout=60)
     assert r.status_code == 200, r.text
+
+
+# ---- body size (413) and no tokenizing on the event loop ---------------------------------------------------------
+
+LIMIT = 1024 * 1024
+
+
+@pytest.fixture(scope="module")
+def small_body_server(checkpoint):
+    with LiveServer(EngineConfig(model=str(checkpoint), device="cpu"),
+                    ServerConfig(max_request_body_bytes=LIMIT)) as s:
+        yield s
+
+
+def oversized_completion() -> bytes:
+    body = json.dumps({"prompt": "x " * LIMIT, "max_tokens": 2}).encode()
+    assert len(body) > LIMIT
+    return body
+
+
+class HealthProbe:
+    """Polls /health on a thread while the test sends something heavy; the slowest answer it saw."""
+
+    def __init__(self, url: str) -> None:
+        self.url, self.slowest, self.answers = url, 0.0, []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        with httpx.Client(timeout=30) as client:
+            while not self._stop.is_set():
+                start = time.monotonic()
+                self.answers.append(client.get(f"{self.url}/health").status_code)
+                self.slowest = max(self.slowest, time.monotonic() - start)
+                time.sleep(0.01)
+
+    def __enter__(self) -> HealthProbe:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join(timeout=30)
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat/completions"])
+def test_a_body_over_the_limit_is_a_413_from_its_content_length(small_body_server, endpoint):
+    with HealthProbe(small_body_server.url) as probe:
+        r = httpx.post(f"{small_body_server.url}/v1/{endpoint}", content=oversized_completion(),
+                       headers={"content-type": "application/json"}, timeout=30)
+    error = assert_openai_error(r, 413, "request_too_large")
+    assert str(LIMIT) in error["message"] and "--max-request-body-bytes" in error["message"]
+    assert probe.answers and set(probe.answers) == {200}
+
+
+def test_a_chunked_body_over_the_limit_is_a_413_as_it_grows(small_body_server):
+    body = oversized_completion()
+
+    def chunks():   # no Content-Length: Transfer-Encoding: chunked
+        for i in range(0, len(body), 64 * 1024):
+            yield body[i:i + 64 * 1024]
+
+    r = httpx.post(f"{small_body_server.url}/v1/completions", content=chunks(),
+                   headers={"content-type": "application/json"}, timeout=30)
+    assert r.request.headers.get("transfer-encoding") == "chunked"
+    assert_openai_error(r, 413, "request_too_large")
+    # a chunked body under the limit is served
+    small = BODIES["completions"]
+    r = httpx.post(f"{small_body_server.url}/v1/completions", content=iter([small[:10], small[10:]]),
+                   headers={"content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_long_prompt_is_tokenized_off_the_event_loop(small_body_server):
+    """Under the body limit but far over the context: /health keeps answering while the prompt is tokenized,
+    then the prompt is refused with a 400."""
+    prompt = "def add(a, b):\n    return a + b\n" * (LIMIT // 40)
+    with HealthProbe(small_body_server.url) as probe:
+        start = time.monotonic()
+        r = httpx.post(f"{small_body_server.url}/v1/completions", json={"prompt": prompt, "max_tokens": 2},
+                       timeout=120)
+        took = time.monotonic() - start
+    assert_openai_error(r, 400)
+    assert set(probe.answers) == {200} and len(probe.answers) >= 2
+    assert probe.slowest < max(0.5, took / 3), (probe.slowest, took)
+
+
+def test_the_body_limit_flag_defaults_to_32_mib_and_refuses_nonsense(capsys):
+    from kestrel.cli import build_parser, main
+
+    parser, _ = build_parser()
+    assert parser.parse_args(["serve", "m"]).max_request_body_bytes == 32 * 1024 * 1024 \
+        == ServerConfig().max_request_body_bytes
+    assert parser.parse_args(["serve", "m", "--max-request-body-bytes", "4096"]).max_request_body_bytes == 4096
+    assert main(["serve", "m", "--max-request-body-bytes", "0"]) == 2   # before anything loads or listens
+    assert "--max-request-body-bytes 0 is invalid" in capsys.readouterr().err

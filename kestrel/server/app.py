@@ -60,6 +60,7 @@ class ServerConfig:
     engine_in_thread: bool = False        # run the engine on a thread of the server (one GIL) instead of a process
     log_requests: bool = True             # a log line per finished request
     log_stats_interval_s: float | None = 5.0  # seconds between throughput lines (only when busy); None: off
+    max_request_body_bytes: int = 32 * 1024 * 1024   # a larger POST body is a 413, refused before it is read
 
 
 class ServerState:
@@ -181,13 +182,14 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(CompletionRequest, await _json_body(request))
+        req = await _parse_body(CompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         completions.check_unsupported(req)
         params = sampling_params(req, req.max_tokens, req.logprobs)
         trace.parsed = time.monotonic()
         try:
-            prompts = completions.prompt_token_ids(req, state.engine.tokenizer)
+            prompts = await _tokenize(completions.prompt_token_ids, req, state.engine.tokenizer,
+                                      completions.has_text(req))
         except Exception as exc:   # noqa: BLE001 - not ready yet, or a prompt the tokenizer refuses
             raise api_error_from(exc, param="prompt") from None
         trace.tokenized = time.monotonic()
@@ -201,12 +203,12 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_chat_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(ChatCompletionRequest, await _json_body(request))
+        req = await _parse_body(ChatCompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         trace.parsed = time.monotonic()
         try:
-            prompt = chat.prompt_token_ids(req, state.engine.tokenizer)
+            prompt = await _tokenize(chat.prompt_token_ids, req, state.engine.tokenizer)
         except Exception as exc:   # noqa: BLE001
             raise api_error_from(exc, param="messages") from None
         trace.tokenized = time.monotonic()
@@ -257,6 +259,15 @@ async def _respond(request: Request, gen: Generation, stream: bool, stream_optio
     return JSONResponse(fmt.response(gen, state.model_name, token_text, want_logprobs).model_dump())
 
 
+async def _tokenize(prompt_token_ids, req, tokenizer, has_text: bool = True):
+    """`prompt_token_ids(req, tokenizer)` on a worker thread when there is text to tokenize: a long prompt takes
+    seconds to tokenize, and on the event loop it would stall every other request and /health meanwhile. Token-id
+    prompts are only copied, on the loop."""
+    if not has_text:
+        return prompt_token_ids(req, tokenizer)
+    return await asyncio.to_thread(prompt_token_ids, req, tokenizer)
+
+
 def _trace(request: Request) -> FirstTokenTrace:
     """The request's first-token trace, from StampReceived's stamp (the route's entry where it is missing)."""
     received = request.scope.get(RECEIVED)
@@ -269,17 +280,43 @@ def _is_json(content_type: str | None) -> bool:
     return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
 
 
-async def _json_body(request: Request) -> bytes:
-    """The body of a POST that takes JSON. Anything but `Content-Type: application/json` is a 415: a web page can
-    send text/plain, a form or multipart (or no type at all) without a CORS preflight, so accepting those would let
-    any page a browser opens start generations on a server without a key."""
-    if not _is_json(request.headers.get("content-type")):
-        got = request.headers.get("content-type")
-        raise APIError(415, f"unsupported Content-Type {got!r}: send the body as JSON with "
-                       "`Content-Type: application/json`" if got else
+async def _json_body(request: Request, max_bytes: int) -> bytes:
+    """The body of a POST that takes JSON, at most `max_bytes` long.
+
+    Anything but `Content-Type: application/json` is a 415: a web page can send text/plain, a form or multipart (or
+    no type at all) without a CORS preflight, so accepting those would let any page a browser opens start
+    generations on a server without a key. A body over `max_bytes` is a 413, from its Content-Length before a byte
+    of it is read, or as soon as a chunked body grows past it."""
+    content_type = request.headers.get("content-type")
+    if not _is_json(content_type):
+        raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                       "`Content-Type: application/json`" if content_type else
                        "missing Content-Type: send the body as JSON with `Content-Type: application/json`",
                        code="unsupported_media_type")
-    return await request.body()
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than {max_bytes} bytes, the server's limit "
+                    "(--max-request-body-bytes)", code="request_too_large")
+
+
+PARSE_ON_LOOP_BYTES = 64 * 1024   # a larger body is parsed on a worker thread (a few ms per MiB)
+
+
+async def _parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    if len(body) <= PARSE_ON_LOOP_BYTES:
+        return _parse(model, body)
+    return await asyncio.to_thread(_parse, model, body)
 
 
 def _parse(model: type[BaseModel], body: bytes) -> BaseModel:

@@ -21,6 +21,12 @@ def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
+def has_text(req: CompletionRequest) -> bool:
+    """Whether `prompt` holds text to tokenize (else only token ids)."""
+    prompt = req.prompt
+    return isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], str)
+
+
 def check_unsupported(req: CompletionRequest) -> None:
     if req.echo:
         raise APIError(400, "echo=true is not supported", param="echo")
