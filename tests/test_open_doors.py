@@ -96,6 +96,9 @@ class HealthProbe:
 
     def __enter__(self) -> HealthProbe:
         self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self.answers and time.monotonic() < deadline:   # polling before the heavy request goes out
+            time.sleep(0.005)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -154,3 +157,58 @@ def test_the_body_limit_flag_defaults_to_32_mib_and_refuses_nonsense(capsys):
     assert parser.parse_args(["serve", "m", "--max-request-body-bytes", "4096"]).max_request_body_bytes == 4096
     assert main(["serve", "m", "--max-request-body-bytes", "0"]) == 2   # before anything loads or listens
     assert "--max-request-body-bytes 0 is invalid" in capsys.readouterr().err
+
+
+# ---- the key first, and no internal paths (401 before anything else) --------------------------------------------
+
+KEY = "sesame"
+
+
+@pytest.fixture(scope="module")
+def keyed_server(checkpoint):
+    with LiveServer(EngineConfig(model=str(checkpoint), device="cpu"),
+                    ServerConfig(api_key=KEY, max_request_body_bytes=LIMIT)) as s:
+        yield s
+
+
+def assert_no_internal_path(message: str) -> None:
+    assert "/" not in message and "\\" not in message and ".py" not in message and "line " not in message, message
+
+
+@pytest.mark.parametrize("path", ["/v1/loads?dp_rank=AAA", "/v1/loads?dp_rank=0", "/get_load", "/server_info",
+                                  "/get_server_info", "/model_info", "/get_model_info", "/v1/models"])
+def test_without_the_key_every_keyed_route_is_a_401_whatever_else_is_wrong(keyed_server, path):
+    r = httpx.get(keyed_server.url + path, timeout=30)
+    assert_openai_error(r, 401, "invalid_api_key")
+    r = httpx.get(keyed_server.url + path, headers={"Authorization": "Bearer wrong"}, timeout=30)
+    assert_openai_error(r, 401, "invalid_api_key")
+
+
+@pytest.mark.parametrize("endpoint", sorted(BODIES))
+def test_without_the_key_a_post_is_a_401_before_its_type_or_size_is_looked_at(keyed_server, endpoint):
+    url = f"{keyed_server.url}/v1/{endpoint}"
+    assert_openai_error(httpx.post(url, content=BODIES[endpoint], headers={"content-type": "text/plain"}),
+                        401, "invalid_api_key")
+    assert_openai_error(httpx.post(url, content=oversized_completion(), headers={"content-type": "application/json"}),
+                        401, "invalid_api_key")
+    keyed = {"Authorization": f"Bearer {KEY}"}
+    assert_openai_error(httpx.post(url, content=BODIES[endpoint], headers={**keyed, "content-type": "text/plain"}),
+                        415, "unsupported_media_type")
+    r = httpx.post(url, content=BODIES[endpoint], headers={**keyed, "content-type": "application/json"}, timeout=60)
+    assert r.status_code == 200, r.text
+
+
+def test_a_bad_query_parameter_is_a_400_naming_it_without_the_servers_paths(keyed_server):
+    r = httpx.get(f"{keyed_server.url}/v1/loads?dp_rank=AAA", headers={"Authorization": f"Bearer {KEY}"})
+    error = assert_openai_error(r, 400)
+    assert error["param"] == "dp_rank" and "dp_rank" in error["message"] and "'AAA'" in error["message"]
+    assert_no_internal_path(error["message"])
+
+
+def test_an_unexpected_exception_is_answered_without_file_paths():
+    from kestrel.server.serving import api_error_from
+
+    exc = FileNotFoundError(2, "No such file or directory", "/work/secret/models/x/tokenizer.json")
+    err = api_error_from(exc)
+    assert err.status == 500 and "FileNotFoundError" in err.message and "<path>" in err.message
+    assert "/work" not in err.message and "secret" not in err.message

@@ -24,7 +24,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -126,6 +126,14 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     _add_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
+    async def require_key(request: Request) -> None:
+        _check_auth(request, config.api_key)
+
+    # The key is checked before anything of the request is: route dependencies run before FastAPI validates the
+    # query parameters, so a caller without the key learns nothing from a 400 (GET /v1/loads?dp_rank=AAA).
+    # The POST routes check it themselves, first (they are served plain, see _serve_plain).
+    keyed = [Depends(require_key)]
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status = state.progress.status()
@@ -139,41 +147,36 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def version() -> dict:
         return {"version": kestrel.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kestrel",
                 "root": state.model_root, "parent": None}
         if state.engine.ready:
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/loads")
+    @app.get("/v1/loads", dependencies=keyed)
     async def loads(request: Request, dp_rank: int | None = None) -> JSONResponse:
-        _check_auth(request, config.api_key)
         _check_ready(state)
         stats = state.engine.stats()
         rate = state.throughput.update(stats.generation_tokens_total if stats else 0)
         return JSONResponse(router_info.loads_body(state.identity, state.engine.limits, stats, rate,
                                                        state.engine.num_in_flight(), dp_rank))
 
-    @app.get("/get_load")
+    @app.get("/get_load", dependencies=keyed)
     async def legacy_load(request: Request) -> JSONResponse:
-        _check_auth(request, config.api_key)
         _check_ready(state)
         return JSONResponse(router_info.legacy_load_body(state.identity, state.engine.limits, state.engine.stats(),
                                                          state.engine.num_in_flight()))
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @app.get("/server_info", dependencies=keyed)
+    @app.get("/get_server_info", dependencies=keyed)
     async def server_info(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         return router_info.server_info_body(state.identity, state.engine.limits if state.engine.ready else None)
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @app.get("/model_info", dependencies=keyed)
+    @app.get("/get_model_info", dependencies=keyed)
     async def model_info(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         return router_info.model_info_body(state.identity)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
@@ -348,6 +351,18 @@ def _check_auth(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
+def validation_error_body(errors) -> dict:
+    """A 400 for FastAPI's parameter validation, in the words _parse uses for bodies: the parameter, what was
+    wrong with it and what was sent; nothing of the server's code."""
+    err = errors[0] if errors else {}
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("query", "path", "header", "body", "cookie")]
+    name = ".".join(loc)
+    got = err.get("input")
+    bad = f" (got {got!r})" if name and got is not None and not isinstance(got, (dict, list)) else ""
+    return error_body(f"{name or 'request'}: {err.get('msg', 'invalid')}{bad}", "invalid_request_error",
+                      param=loc[0] if loc else None)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -355,7 +370,8 @@ def _add_error_handlers(app: FastAPI) -> None:
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        # str(exc) would show the handler's source file and line: say only which parameter was wrong, and how
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -52,7 +52,16 @@ def api_error_from(exc: BaseException, param: str | None = None) -> APIError:
         return APIError(500, str(exc), "internal_server_error", code="engine_error")
     if isinstance(exc, KestrelError):
         return APIError(400, str(exc), param=_param_named_in(str(exc)) or param)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+    logger.error("internal error answered as a 500", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {without_paths(str(exc))}", "internal_server_error")
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?[/\\](?:[\w.\-~]+[/\\])+[\w.\-~]*")
+
+
+def without_paths(message: str) -> str:
+    """An exception's message with the server's file paths cut out (a client has no business with them)."""
+    return _PATH.sub("<path>", message)
 
 
 def _param_named_in(message: str) -> str | None:
