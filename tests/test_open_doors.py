@@ -212,3 +212,13 @@ def test_an_unexpected_exception_is_answered_without_file_paths():
     err = api_error_from(exc)
     assert err.status == 500 and "FileNotFoundError" in err.message and "<path>" in err.message
     assert "/work" not in err.message and "secret" not in err.message
+
+
+# ---- OpenAI's defaults --------------------------------------------------------------------------------------------
+
+def test_max_tokens_null_on_completions_is_openais_default_16(server):
+    for body in ({"prompt": "def main(", "max_tokens": None, "ignore_eos": True},
+                 {"prompt": "def main(", "ignore_eos": True}):
+        r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"

@@ -188,7 +188,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         req = await _parse_body(CompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         completions.check_unsupported(req)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        params = sampling_params(req, completions.max_tokens(req), req.logprobs)
         trace.parsed = time.monotonic()
         try:
             prompts = await _tokenize(completions.prompt_token_ids, req, state.engine.tokenizer,
@@ -366,7 +366,7 @@ def validation_error_body(errors) -> dict:
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:

@@ -21,6 +21,14 @@ def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
+DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
+
+
+def max_tokens(req: CompletionRequest) -> int:
+    """`max_tokens` absent or null: OpenAI's default, 16 (not the rest of the context, as chat's null means)."""
+    return DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+
 def has_text(req: CompletionRequest) -> bool:
     """Whether `prompt` holds text to tokenize (else only token ids)."""
     prompt = req.prompt

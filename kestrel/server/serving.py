@@ -33,19 +33,25 @@ class APIError(Exception):
     """An error answered in OpenAI's format; 4xx for the client's mistakes, 503 when busy or starting."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+QUEUE_FULL_RETRY_AFTER_S = 1   # a full queue drains as requests get their first token: seconds, not minutes
 
 
 def api_error_from(exc: BaseException, param: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloaded):
-        return APIError(503, str(exc), "service_unavailable_error", code="queue_full")
+        # Retry-After: a client (the openai SDK among them) waits that long before its retry, instead of at once
+        return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
+                        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
     if isinstance(exc, EngineNotReady):
         return APIError(503, str(exc), "service_unavailable_error", code="not_ready")
     if isinstance(exc, EngineFailure):
