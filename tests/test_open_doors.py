@@ -222,3 +222,13 @@ def test_max_tokens_null_on_completions_is_openais_default_16(server):
         r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120)
         assert r.status_code == 200, r.text
         assert r.json()["usage"]["completion_tokens"] == 16 and r.json()["choices"][0]["finish_reason"] == "length"
+
+
+@pytest.mark.parametrize("stop", ["", [""], ["", ""], None])
+def test_an_empty_stop_string_means_no_stop_string_in_a_string_or_a_list(server, stop):
+    body = {"prompt": "def main(", "max_tokens": 4, "ignore_eos": True, "temperature": 0, "stop": stop}
+    r = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert r.status_code == 200, r.text
+    assert r.json()["usage"]["completion_tokens"] == 4
+    unstopped = httpx.post(f"{server.url}/v1/completions", json=dict(body, stop=None), timeout=60).json()
+    assert r.json()["choices"][0]["text"] == unstopped["choices"][0]["text"]

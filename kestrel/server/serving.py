@@ -76,6 +76,14 @@ def _param_named_in(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """`stop` as a list without empty strings: `""` and `[""]` both mean no stop string (as `null` does), where an
+    empty stop string would otherwise end every generation before its first token (SamplingParams refuses it)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    return [s for s in stop or [] if s]
+
+
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
                     field_names: dict[str, str] | None = None) -> SamplingParams:
     """The request's sampling fields as SamplingParams; range errors become 400 naming the field.
@@ -96,7 +104,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed, n=req.n, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            seed=req.seed, n=req.n, stop=stop_strings(req.stop), stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
