@@ -232,3 +232,22 @@ def test_an_empty_stop_string_means_no_stop_string_in_a_string_or_a_list(server,
     assert r.json()["usage"]["completion_tokens"] == 4
     unstopped = httpx.post(f"{server.url}/v1/completions", json=dict(body, stop=None), timeout=60).json()
     assert r.json()["choices"][0]["text"] == unstopped["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("endpoint,body,param", [
+    ("completions", {"prompt": "x", "n": 1025}, "n"),
+    ("completions", {"prompt": ["x"] * 33, "n": 32}, "prompt"),
+    ("completions", {"prompt": [[1, 2]] * 1025}, "prompt"),
+    ("chat/completions", {"messages": [{"role": "user", "content": "hi"}], "n": 1025}, "n"),
+])
+def test_a_request_may_create_at_most_1024_sequences(server, endpoint, body, param):
+    r = httpx.post(f"{server.url}/v1/{endpoint}", json=dict(body, max_tokens=1), timeout=60)
+    error = assert_openai_error(r, 400)
+    assert error["param"] == param and "1024" in error["message"]
+    assert server.engine.num_in_flight() == 0
+
+
+def test_prompts_times_n_up_to_the_bound_are_served(server):
+    r = httpx.post(f"{server.url}/v1/completions", json={"prompt": ["x"] * 4, "n": 2, "max_tokens": 1}, timeout=60)
+    assert r.status_code == 200, r.text
+    assert len(r.json()["choices"]) == 8

@@ -45,7 +45,7 @@ from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_bod
 from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse, error_body)
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
-    run_to_completion, sampling_params
+    check_sequences, run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
 
 logger = logging.getLogger("kestrel.server")
@@ -188,6 +188,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         req = await _parse_body(CompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         completions.check_unsupported(req)
+        check_sequences(completions.num_prompts(req), req.n)
         params = sampling_params(req, completions.max_tokens(req), req.logprobs)
         trace.parsed = time.monotonic()
         try:
@@ -208,6 +209,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         _check_auth(request, config.api_key)
         req = await _parse_body(ChatCompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
+        check_sequences(1, req.n)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         trace.parsed = time.monotonic()
         try:

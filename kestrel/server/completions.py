@@ -35,6 +35,11 @@ def has_text(req: CompletionRequest) -> bool:
     return isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], str)
 
 
+def num_prompts(req: CompletionRequest) -> int:
+    prompt = req.prompt
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+
+
 def check_unsupported(req: CompletionRequest) -> None:
     if req.echo:
         raise APIError(400, "echo=true is not supported", param="echo")

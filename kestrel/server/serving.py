@@ -76,6 +76,20 @@ def _param_named_in(message: str) -> str | None:
     return m.group(1) if m else None
 
 
+# One request's sequences (prompts x n) at most: each is an engine request holding its own KV blocks and output, so
+# one POST of {"prompt": [...10000 prompts], "n": 128} would otherwise queue 1.28 M sequences. OpenAI caps n at 128.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
+
+def check_sequences(num_prompts: int, n: int) -> None:
+    """400 when a request would create more than MAX_SEQUENCES_PER_REQUEST sequences."""
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise APIError(400, f"{what} is {num_prompts * n} sequences, more than the {MAX_SEQUENCES_PER_REQUEST} one "
+                       "request may create: split it into several requests",
+                       param="n" if num_prompts == 1 else "prompt")
+
+
 def stop_strings(stop: str | list[str] | None) -> list[str]:
     """`stop` as a list without empty strings: `""` and `[""]` both mean no stop string (as `null` does), where an
     empty stop string would otherwise end every generation before its first token (SamplingParams refuses it)."""
