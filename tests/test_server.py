@@ -457,6 +457,7 @@ def test_full_queue_answers_503_until_it_drains(guarded_server):
     refused, waited = asyncio.run(go())
     assert refused.status_code == 503
     assert refused.json()["error"]["code"] == "queue_full" and "--max-queue" in refused.json()["error"]["message"]
+    assert refused.headers["retry-after"] == "1"   # the openai SDK waits this long before retrying
     assert waited.status_code == 200 and waited.json()["usage"]["completion_tokens"] >= 1
 
 

@@ -24,7 +24,7 @@ import time
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from fastapi.routing import APIRoute
@@ -45,7 +45,7 @@ from kestrel.server.openapi import ERROR_RESPONSES, install_openapi, request_bod
 from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionResponse, CompletionRequest,
                                      CompletionResponse, error_body)
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
-    run_to_completion, sampling_params
+    check_sequences, run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
 
 logger = logging.getLogger("kestrel.server")
@@ -60,6 +60,7 @@ class ServerConfig:
     engine_in_thread: bool = False        # run the engine on a thread of the server (one GIL) instead of a process
     log_requests: bool = True             # a log line per finished request
     log_stats_interval_s: float | None = 5.0  # seconds between throughput lines (only when busy); None: off
+    max_request_body_bytes: int = 32 * 1024 * 1024   # a larger POST body is a 413, refused before it is read
 
 
 class ServerState:
@@ -125,6 +126,14 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     _add_error_handlers(app)
     install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
+    async def require_key(request: Request) -> None:
+        _check_auth(request, config.api_key)
+
+    # The key is checked before anything of the request is: route dependencies run before FastAPI validates the
+    # query parameters, so a caller without the key learns nothing from a 400 (GET /v1/loads?dp_rank=AAA).
+    # The POST routes check it themselves, first (they are served plain, see _serve_plain).
+    keyed = [Depends(require_key)]
+
     @app.get("/health")
     async def health() -> JSONResponse:
         status = state.progress.status()
@@ -138,41 +147,36 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def version() -> dict:
         return {"version": kestrel.__version__}
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=keyed)
     async def models(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         card = {"id": state.model_name, "object": "model", "created": 0, "owned_by": "kestrel",
                 "root": state.model_root, "parent": None}
         if state.engine.ready:
             card["max_model_len"] = state.engine.max_model_len
         return {"object": "list", "data": [card]}
 
-    @app.get("/v1/loads")
+    @app.get("/v1/loads", dependencies=keyed)
     async def loads(request: Request, dp_rank: int | None = None) -> JSONResponse:
-        _check_auth(request, config.api_key)
         _check_ready(state)
         stats = state.engine.stats()
         rate = state.throughput.update(stats.generation_tokens_total if stats else 0)
         return JSONResponse(router_info.loads_body(state.identity, state.engine.limits, stats, rate,
                                                        state.engine.num_in_flight(), dp_rank))
 
-    @app.get("/get_load")
+    @app.get("/get_load", dependencies=keyed)
     async def legacy_load(request: Request) -> JSONResponse:
-        _check_auth(request, config.api_key)
         _check_ready(state)
         return JSONResponse(router_info.legacy_load_body(state.identity, state.engine.limits, state.engine.stats(),
                                                          state.engine.num_in_flight()))
 
-    @app.get("/server_info")
-    @app.get("/get_server_info")
+    @app.get("/server_info", dependencies=keyed)
+    @app.get("/get_server_info", dependencies=keyed)
     async def server_info(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         return router_info.server_info_body(state.identity, state.engine.limits if state.engine.ready else None)
 
-    @app.get("/model_info")
-    @app.get("/get_model_info")
+    @app.get("/model_info", dependencies=keyed)
+    @app.get("/get_model_info", dependencies=keyed)
     async def model_info(request: Request) -> dict:
-        _check_auth(request, config.api_key)
         return router_info.model_info_body(state.identity)
 
     @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest),
@@ -181,13 +185,15 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(CompletionRequest, await request.body())
+        req = await _parse_body(CompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         completions.check_unsupported(req)
-        params = sampling_params(req, req.max_tokens, req.logprobs)
+        check_sequences(completions.num_prompts(req), req.n)
+        params = sampling_params(req, completions.max_tokens(req), req.logprobs)
         trace.parsed = time.monotonic()
         try:
-            prompts = completions.prompt_token_ids(req, state.engine.tokenizer)
+            prompts = await _tokenize(completions.prompt_token_ids, req, state.engine.tokenizer,
+                                      completions.has_text(req))
         except Exception as exc:   # noqa: BLE001 - not ready yet, or a prompt the tokenizer refuses
             raise api_error_from(exc, param="prompt") from None
         trace.tokenized = time.monotonic()
@@ -201,12 +207,13 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
     async def create_chat_completion(request: Request) -> Response:
         trace = _trace(request)
         _check_auth(request, config.api_key)
-        req = _parse(ChatCompletionRequest, await request.body())
+        req = await _parse_body(ChatCompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
+        check_sequences(1, req.n)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         trace.parsed = time.monotonic()
         try:
-            prompt = chat.prompt_token_ids(req, state.engine.tokenizer)
+            prompt = await _tokenize(chat.prompt_token_ids, req, state.engine.tokenizer)
         except Exception as exc:   # noqa: BLE001
             raise api_error_from(exc, param="messages") from None
         trace.tokenized = time.monotonic()
@@ -257,10 +264,64 @@ async def _respond(request: Request, gen: Generation, stream: bool, stream_optio
     return JSONResponse(fmt.response(gen, state.model_name, token_text, want_logprobs).model_dump())
 
 
+async def _tokenize(prompt_token_ids, req, tokenizer, has_text: bool = True):
+    """`prompt_token_ids(req, tokenizer)` on a worker thread when there is text to tokenize: a long prompt takes
+    seconds to tokenize, and on the event loop it would stall every other request and /health meanwhile. Token-id
+    prompts are only copied, on the loop."""
+    if not has_text:
+        return prompt_token_ids(req, tokenizer)
+    return await asyncio.to_thread(prompt_token_ids, req, tokenizer)
+
+
 def _trace(request: Request) -> FirstTokenTrace:
     """The request's first-token trace, from StampReceived's stamp (the route's entry where it is missing)."""
     received = request.scope.get(RECEIVED)
     return FirstTokenTrace(received if received is not None else time.monotonic())
+
+
+def _is_json(content_type: str | None) -> bool:
+    """application/json (any parameters, such as charset) or a `+json` type."""
+    media = (content_type or "").split(";", 1)[0].strip().lower()
+    return media == "application/json" or (media.startswith("application/") and media.endswith("+json"))
+
+
+async def _json_body(request: Request, max_bytes: int) -> bytes:
+    """The body of a POST that takes JSON, at most `max_bytes` long.
+
+    Anything but `Content-Type: application/json` is a 415: a web page can send text/plain, a form or multipart (or
+    no type at all) without a CORS preflight, so accepting those would let any page a browser opens start
+    generations on a server without a key. A body over `max_bytes` is a 413, from its Content-Length before a byte
+    of it is read, or as soon as a chunked body grows past it."""
+    content_type = request.headers.get("content-type")
+    if not _is_json(content_type):
+        raise APIError(415, f"unsupported Content-Type {content_type!r}: send the body as JSON with "
+                       "`Content-Type: application/json`" if content_type else
+                       "missing Content-Type: send the body as JSON with `Content-Type: application/json`",
+                       code="unsupported_media_type")
+    length = request.headers.get("content-length")
+    if length is not None and length.strip().isdigit() and int(length) > max_bytes:
+        raise _too_large(max_bytes)
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > max_bytes:
+            raise _too_large(max_bytes)
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def _too_large(max_bytes: int) -> APIError:
+    return APIError(413, f"the request body is larger than {max_bytes} bytes, the server's limit "
+                    "(--max-request-body-bytes)", code="request_too_large")
+
+
+PARSE_ON_LOOP_BYTES = 64 * 1024   # a larger body is parsed on a worker thread (a few ms per MiB)
+
+
+async def _parse_body(model: type[BaseModel], body: bytes) -> BaseModel:
+    if len(body) <= PARSE_ON_LOOP_BYTES:
+        return _parse(model, body)
+    return await asyncio.to_thread(_parse, model, body)
 
 
 def _parse(model: type[BaseModel], body: bytes) -> BaseModel:
@@ -292,14 +353,27 @@ def _check_auth(request: Request, api_key: str | None) -> None:
                        code="invalid_api_key")
 
 
+def validation_error_body(errors) -> dict:
+    """A 400 for FastAPI's parameter validation, in the words _parse uses for bodies: the parameter, what was
+    wrong with it and what was sent; nothing of the server's code."""
+    err = errors[0] if errors else {}
+    loc = [str(p) for p in err.get("loc", ()) if p not in ("query", "path", "header", "body", "cookie")]
+    name = ".".join(loc)
+    got = err.get("input")
+    bad = f" (got {got!r})" if name and got is not None and not isinstance(got, (dict, list)) else ""
+    return error_body(f"{name or 'request'}: {err.get('msg', 'invalid')}{bad}", "invalid_request_error",
+                      param=loc[0] if loc else None)
+
+
 def _add_error_handlers(app: FastAPI) -> None:
     @app.exception_handler(APIError)
     async def api_error(_: Request, exc: APIError) -> JSONResponse:
-        return JSONResponse(exc.body(), status_code=exc.status)
+        return JSONResponse(exc.body(), status_code=exc.status, headers=exc.headers)
 
     @app.exception_handler(RequestValidationError)
     async def validation_error(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return JSONResponse(error_body(str(exc), "invalid_request_error"), status_code=400)
+        # str(exc) would show the handler's source file and line: say only which parameter was wrong, and how
+        return JSONResponse(validation_error_body(exc.errors()), status_code=400)
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:

@@ -25,6 +25,9 @@ def add_parser(subparsers) -> None:
     http.add_argument("--max-queue", type=int, default=None,
                       help="requests waiting for their first token beyond which new ones get 503 "
                       "(default: unbounded)")
+    http.add_argument("--max-request-body-bytes", type=int, default=32 * 1024 * 1024, metavar="BYTES",
+                      help="a POST body larger than this is refused with 413, from its Content-Length before it "
+                      "is read (default: 32 MiB)")
     http.add_argument("--stall-timeout", type=float, default=300.0,
                       help="seconds a startup phase may go without progress before it is reported stalled and "
                       "every thread's stack is logged (0: off)")
@@ -48,6 +51,8 @@ def run(args: argparse.Namespace) -> int:
 
     if args.max_queue is not None and args.max_queue < 0:
         raise KestrelError(f"--max-queue {args.max_queue} is invalid: expected an integer >= 0")
+    if args.max_request_body_bytes <= 0:
+        raise KestrelError(f"--max-request-body-bytes {args.max_request_body_bytes} is invalid: expected bytes > 0")
     if not 0 < args.port < 65536:
         raise KestrelError(f"--port {args.port} is invalid: expected 1..65535")
     logging.getLogger("kestrel").setLevel(args.log_level.upper())
@@ -61,6 +66,7 @@ def run(args: argparse.Namespace) -> int:
     server_config = ServerConfig(api_key=args.api_key or os.environ.get("KESTREL_API_KEY") or None,
                                  max_queue=args.max_queue, stall_timeout_s=args.stall_timeout or None,
                                  engine_in_thread=args.engine_in_thread,
+                                 max_request_body_bytes=args.max_request_body_bytes,
                                  log_requests=not args.disable_log_requests,
                                  log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
     server = KestrelServer(build_app(engine_config, server_config), args.host, args.port, args.log_level)

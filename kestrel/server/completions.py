@@ -21,6 +21,25 @@ def prompt_token_ids(req: CompletionRequest, tokenizer) -> list[list[int]]:
     return [tokenizer.encode(p) if isinstance(p, str) else list(p) for p in prompts]
 
 
+DEFAULT_MAX_TOKENS = 16   # OpenAI's default for completions
+
+
+def max_tokens(req: CompletionRequest) -> int:
+    """`max_tokens` absent or null: OpenAI's default, 16 (not the rest of the context, as chat's null means)."""
+    return DEFAULT_MAX_TOKENS if req.max_tokens is None else req.max_tokens
+
+
+def has_text(req: CompletionRequest) -> bool:
+    """Whether `prompt` holds text to tokenize (else only token ids)."""
+    prompt = req.prompt
+    return isinstance(prompt, str) or bool(prompt) and isinstance(prompt[0], str)
+
+
+def num_prompts(req: CompletionRequest) -> int:
+    prompt = req.prompt
+    return len(prompt) if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) else 1
+
+
 def check_unsupported(req: CompletionRequest) -> None:
     if req.echo:
         raise APIError(400, "echo=true is not supported", param="echo")

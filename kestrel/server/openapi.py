@@ -24,6 +24,8 @@ ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
     400: {"model": ErrorResponse, "description": "invalid request: a field out of range, a prompt too long, bad JSON"},
     401: {"model": ErrorResponse, "description": "missing or wrong API key (with --api-key)"},
     404: {"model": ErrorResponse, "description": "unknown model"},
+    413: {"model": ErrorResponse, "description": "the body is larger than --max-request-body-bytes"},
+    415: {"model": ErrorResponse, "description": "the body is not sent as `Content-Type: application/json`"},
     500: {"model": ErrorResponse, "description": "the engine failed while serving the request"},
     503: {"model": ErrorResponse, "description": "the model is still loading, or the queue is full (--max-queue)"},
 }

@@ -47,7 +47,7 @@ class CompletionRequest(_SamplingFields):
     # Token ids first, tried left to right: under strict=True the four types are disjoint, so the order changes no
     # outcome, but pydantic's smart mode took 23 us to validate a 128-id prompt and this order takes 4.5 us.
     prompt: list[int] | str | list[str] | list[list[int]] = Field(union_mode="left_to_right")
-    max_tokens: int | None = 16            # OpenAI's default for completions
+    max_tokens: int | None = 16            # OpenAI's default for completions (null too: completions.max_tokens)
     logprobs: int | None = None            # top-k logprobs per token (OpenAI caps at 5; we allow 20 like vLLM)
     echo: bool = False
     suffix: str | None = None

@@ -33,32 +33,69 @@ class APIError(Exception):
     """An error answered in OpenAI's format; 4xx for the client's mistakes, 503 when busy or starting."""
 
     def __init__(self, status: int, message: str, type_: str = "invalid_request_error", param: str | None = None,
-                 code: str | None = None) -> None:
+                 code: str | None = None, headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+        self.headers = headers
 
     def body(self) -> dict:
         return error_body(self.message, self.type, self.param, self.code)
+
+
+QUEUE_FULL_RETRY_AFTER_S = 1   # a full queue drains as requests get their first token: seconds, not minutes
 
 
 def api_error_from(exc: BaseException, param: str | None = None) -> APIError:
     if isinstance(exc, APIError):
         return exc
     if isinstance(exc, EngineOverloaded):
-        return APIError(503, str(exc), "service_unavailable_error", code="queue_full")
+        # Retry-After: a client (the openai SDK among them) waits that long before its retry, instead of at once
+        return APIError(503, str(exc), "service_unavailable_error", code="queue_full",
+                        headers={"Retry-After": str(QUEUE_FULL_RETRY_AFTER_S)})
     if isinstance(exc, EngineNotReady):
         return APIError(503, str(exc), "service_unavailable_error", code="not_ready")
     if isinstance(exc, EngineFailure):
         return APIError(500, str(exc), "internal_server_error", code="engine_error")
     if isinstance(exc, KestrelError):
         return APIError(400, str(exc), param=_param_named_in(str(exc)) or param)
-    return APIError(500, f"internal error: {type(exc).__name__}: {exc}", "internal_server_error")
+    logger.error("internal error answered as a 500", exc_info=exc)
+    return APIError(500, f"internal error: {type(exc).__name__}: {without_paths(str(exc))}", "internal_server_error")
+
+
+_PATH = re.compile(r"(?:[A-Za-z]:)?[/\\](?:[\w.\-~]+[/\\])+[\w.\-~]*")
+
+
+def without_paths(message: str) -> str:
+    """An exception's message with the server's file paths cut out (a client has no business with them)."""
+    return _PATH.sub("<path>", message)
 
 
 def _param_named_in(message: str) -> str | None:
     """SamplingParams messages start with `name=value is invalid`: that name is the OpenAI `param`."""
     m = re.match(r"(\w+)=", message)
     return m.group(1) if m else None
+
+
+# One request's sequences (prompts x n) at most: each is an engine request holding its own KV blocks and output, so
+# one POST of {"prompt": [...10000 prompts], "n": 128} would otherwise queue 1.28 M sequences. OpenAI caps n at 128.
+MAX_SEQUENCES_PER_REQUEST = 1024
+
+
+def check_sequences(num_prompts: int, n: int) -> None:
+    """400 when a request would create more than MAX_SEQUENCES_PER_REQUEST sequences."""
+    if num_prompts * n > MAX_SEQUENCES_PER_REQUEST:
+        what = f"{num_prompts} prompts x n={n}" if num_prompts > 1 else f"n={n}"
+        raise APIError(400, f"{what} is {num_prompts * n} sequences, more than the {MAX_SEQUENCES_PER_REQUEST} one "
+                       "request may create: split it into several requests",
+                       param="n" if num_prompts == 1 else "prompt")
+
+
+def stop_strings(stop: str | list[str] | None) -> list[str]:
+    """`stop` as a list without empty strings: `""` and `[""]` both mean no stop string (as `null` does), where an
+    empty stop string would otherwise end every generation before its first token (SamplingParams refuses it)."""
+    if isinstance(stop, str):
+        stop = [stop]
+    return [s for s in stop or [] if s]
 
 
 def sampling_params(req, max_tokens: int | None, logprobs: int | None,
@@ -81,7 +118,7 @@ def sampling_params(req, max_tokens: int | None, logprobs: int | None,
             top_p=1.0 if req.top_p is None else req.top_p,
             top_k=-1 if req.top_k is None else req.top_k,
             min_p=0.0 if req.min_p is None else req.min_p,
-            seed=req.seed, n=req.n, stop=req.stop or [], stop_token_ids=req.stop_token_ids or [],
+            seed=req.seed, n=req.n, stop=stop_strings(req.stop), stop_token_ids=req.stop_token_ids or [],
             ignore_eos=req.ignore_eos, min_tokens=req.min_tokens, logprobs=logprobs,
             skip_special_tokens=req.skip_special_tokens,
         )
