@@ -26,7 +26,6 @@ from pathlib import Path
 
 import torch
 
-from benchmarks.engine_bench import random_prompts
 from benchmarks.shapes import SHAPES, write_config_only
 
 # name pattern -> category; first match wins (cuBLAS / CUTLASS GEMMs carry gemm, xmma, nvjet or cutlass)
@@ -134,6 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--workdir", default="/tmp/kestrel-bench")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    from kestrel.bench.fresh import FreshPrompts, cache_counters, hit_rate_fields
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
     from kestrel.sampling_params import SamplingParams
@@ -149,24 +149,21 @@ def main(argv: list[str] | None = None) -> int:
         report["measured"] = {"bf16_matmul_tflop_s": flops / 1e12, "copy_gb_s": copy / 1e9}
     engine = Engine(EngineConfig(model=str(model_dir), device=args.device, load_format="dummy",
                                  max_num_seqs=max(256, args.batch)))
-    vocab = cfg["vocab_size"]
-    # Warm-up on prompts of their own (fresh heads: the profiled prompts must not find a cached prefix).
+    # Warm-up on prompts of its own: no profiled prompt shares a cached block with anything sent before.
+    fresh = FreshPrompts(cfg["vocab_size"])
     params = SamplingParams(max_tokens=args.steps + 64, temperature=0.0, ignore_eos=True)
-    for i, p in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 11)):
+    for i, p in enumerate(fresh.take(args.batch, args.prompt_len)):
         engine.add_request(f"warm{i}", p, SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True))
     while engine.has_unfinished():
         engine.step()
-    stats0 = engine.stats()
-    for i, p in enumerate(random_prompts(args.batch, args.prompt_len, vocab, 12)):
+    before = cache_counters(engine)
+    for i, p in enumerate(fresh.take(args.batch, args.prompt_len)):
         engine.add_request(f"p{i}", p, params)
     while any(not s.output_token_ids for seqs in engine.requests.values() for s in seqs):   # every prompt prefilled
         engine.step()
     for _ in range(4):   # a few plain decode steps at the full batch before the profiled ones
         engine.step()
-    stats1 = engine.stats()
-    queries = stats1.prefix_cache_queries - stats0.prefix_cache_queries
-    report["prefix_cache_hit_rate"] = ((stats1.prefix_cache_hits - stats0.prefix_cache_hits) / queries
-                                       if queries else 0.0)
+    report.update(hit_rate_fields(before, cache_counters(engine)))
     report["running"] = len(engine.scheduler.running)
     report["profile"] = profile_steps(engine, args.steps, cuda)
     flops, weight_bytes = linear_cost(cfg, report["running"])
