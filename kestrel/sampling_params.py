@@ -14,6 +14,25 @@ TOP_K_MAX = 2**31 - 1      # the sampler packs top_k through a float32 tensor; l
 GREEDY_TEMPERATURE = 1e-5
 
 
+@dataclass(frozen=True)
+class StructuredOutput:
+    """A constraint on the generated text (issue 54): exactly one field set. The server maps OpenAI's
+    `response_format`, vLLM's `guided_*` / `structured_outputs` and SGLang's `regex` / `ebnf` / `json_schema` onto
+    it; tool calls with `tool_choice` "required" or a named function set `json_schema`. Compiled by xgrammar."""
+    json_schema: str | None = None       # a JSON schema, serialized
+    json_object: bool = False            # any JSON object
+    regex: str | None = None
+    choice: tuple[str, ...] | None = None
+    grammar: str | None = None           # EBNF (GBNF as xgrammar reads it)
+
+    def __post_init__(self) -> None:
+        given = [self.json_schema is not None, self.json_object, self.regex is not None, self.choice is not None,
+                 self.grammar is not None]
+        if sum(given) != 1:
+            raise KestrelError("a structured output names exactly one of json_schema, json_object, regex, choice "
+                               f"and grammar ({sum(given)} given)")
+
+
 @dataclass
 class SamplingParams:
     max_tokens: int | None = 16          # None: up to the model's context length
@@ -29,6 +48,7 @@ class SamplingParams:
     min_tokens: int = 0
     logprobs: int | None = None          # number of top logprobs per generated token
     skip_special_tokens: bool = True
+    structured_output: StructuredOutput | None = None   # constrained decoding (issue 54)
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
