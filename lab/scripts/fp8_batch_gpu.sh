@@ -34,4 +34,8 @@ done
 log "first burst 8B FP8 W8A8"
 timeout $(left 130) python3 -m benchmarks.first_burst --fp8-block --workdir $W --out $R/first_burst_fp8.json > $R/first_burst_fp8.log 2>&1
 log "first burst fp8 exit $? · $(grep -m1 c128 $R/first_burst_fp8.log)"
+log "moe_tune qwen3-30b-a3b"
+b=$(left 150); [ $b -gt 40 ] && timeout $b python3 -m benchmarks.moe_tune --budget-s $((b - 30)) --out-dir $R/moe_configs \
+  --json $R/moe_tune.json > $R/moe_tune.log 2>&1
+log "moe_tune exit $?"
 cat $R/steps.txt; tail -28 $R/fp8_gemm.log; grep -A30 "c128" $R/first_burst_bf16.log | head -30
