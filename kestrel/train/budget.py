@@ -6,7 +6,8 @@ The limit counts from the moment the command starts working (before the target l
     0               ...  ANSWER_SHARE x limit (default)  ... half of what is left ... limit - save reserve ... limit
 
     answers   stop at ANSWER_SHARE of the limit (or --max-gen-time after they start, capped at MAX_ANSWER_SHARE of
-              the limit); with --data-only they may use the whole limit. Prompts already answered on disk cost
+              the limit), yet run for at least MIN_ANSWER_SHARE of it (within MAX_ANSWER_SHARE) when the loading
+              took longer; with --data-only they may use the whole limit. Prompts already answered on disk cost
               nothing, so a rerun spends its time on new answers and on training.
     states    the target's hidden states for the answers: at most half of what is left after the answers.
     training  until the save reserve (the checkpoint and the drafter, sized from the drafter's parameters).
@@ -25,6 +26,7 @@ from dataclasses import dataclass, field
 
 ANSWER_SHARE = 0.5        # answers stop here unless --max-gen-time asks for another length
 MAX_ANSWER_SHARE = 0.9    # --max-gen-time never takes more of the limit: states, training and the save need the rest
+MIN_ANSWER_SHARE = 0.1    # but answers get at least this much from their start (a load that took half the limit)
 SAVE_FIXED_S = 2.0        # the save reserve: this, plus the bytes written at SAVE_BYTES_PER_S
 SAVE_BYTES_PER_S = 200e6  # a slow disk; checkpoints are written whole (tmp file, then renamed)
 MARGIN_NOTE = "one engine step, forward or optimizer step longer than the one measured before it"
@@ -47,15 +49,18 @@ class Budget:
 
     def answers_deadline(self, data_only: bool = False) -> float | None:
         """Called as the answers start."""
+        now = self.clock()
         ends = []
         if self.max_answer_s is not None:
-            ends.append(self.clock() + self.max_answer_s)
+            ends.append(now + self.max_answer_s)
         if self.limit_s is not None:
             if data_only:
-                share = 1.0
+                ends.append(self.end)
             else:
                 share = MAX_ANSWER_SHARE if self.max_answer_s is not None else ANSWER_SHARE
-            ends.append(self.started + share * self.limit_s)
+                latest = self.started + MAX_ANSWER_SHARE * self.limit_s
+                ends.append(min(latest, max(self.started + share * self.limit_s,
+                                            now + MIN_ANSWER_SHARE * self.limit_s)))
         return min(ends) if ends else None
 
     def states_deadline(self) -> float | None:

@@ -221,6 +221,10 @@ def train_eagle3(cfg: TrainConfig, started: float | None = None) -> TrainResult:
                     work / "samples.jsonl")
 
     mark = time.monotonic()
+    if not cfg.data_only:
+        # the first AdamW imports torch._dynamo (seconds, more on a busy CPU): paid here, with the loading, and
+        # not as a surprise between the states' deadline and the first optimizer step
+        torch.optim.AdamW([torch.nn.Parameter(torch.zeros(1))])
     engine_kwargs = {"device": str(device), "seed": cfg.seed, **cfg.engine_kwargs}
     if device.type == "cuda":
         engine_kwargs.setdefault("gpu_memory_utilization", 0.4)   # the rest holds the states and the training
