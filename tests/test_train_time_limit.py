@@ -188,6 +188,7 @@ def test_a_killed_run_keeps_its_answers_and_the_rerun_answers_only_the_rest(tmp_
     assert same.answers_generated == 0 and same.answers_reused == 24
 
 
+@pytest.mark.slow
 def test_a_rerun_adds_the_answers_left_and_trains_on_from_the_checkpoint(tmp_path):
     from tests.test_train_eagle3 import served_state
 

@@ -77,11 +77,11 @@ class Budget:
         return math.inf if self.limit_s is None else self.end - self.clock()
 
     def describe(self, answers_deadline: float | None) -> str:
-        if self.limit_s is None:
-            return "no time limit"
-        answers = "" if answers_deadline is None else \
-            f"; answers until {(answers_deadline - self.started) / 60:.1f} min"
-        return f"time limit {self.limit_s / 60:.1f} min (from the start, loading included){answers}"
+        limit = "no time limit" if self.limit_s is None else \
+            f"time limit {self.limit_s / 60:.1f} min (from the start, loading included)"
+        if answers_deadline is None:
+            return limit
+        return f"{limit}; answers until {(answers_deadline - self.started) / 60:.1f} min into the run"
 
 
 def save_reserve_s(num_parameters: int) -> float:
