@@ -118,7 +118,8 @@ class Target:
             count, ids_of = len(source), [self.prompt_ids(p) for p in source]
             expected = [prompt_hash(ids) for ids in ids_of]
         on_disk = store.load()
-        done = {i: a for i, a in on_disk.items() if i < count and a.prompt_hash == expected[i]}
+        done = {i: a for i, a in on_disk.items()
+                if i < count and a.prompt_hash == expected[i] and 0 < len(a.prompt) <= room}
         todo = [i for i in range(count) if i not in done and (ids_of is None or 0 < len(ids_of[i]) <= room)]
         report = AnswerReport(total=len(done) + len(todo), reused=len(done), skipped=count - len(done) - len(todo),
                               path=store.path)

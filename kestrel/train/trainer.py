@@ -363,5 +363,8 @@ def save_drafter(model: TrainableEagle3, out: Path, config_path: Path) -> None:
     out.mkdir(parents=True, exist_ok=True)
     tensors = {n: (t.to(torch.bfloat16) if t.is_floating_point() else t)
                for n, t in model.checkpoint_tensors().items()}
-    save_file(tensors, str(out / DRAFTER_FILE))
+    # written beside, then renamed: a run killed while saving leaves the previous drafter whole
+    tmp = out / (DRAFTER_FILE + ".tmp")
+    save_file(tensors, str(tmp))
+    tmp.replace(out / DRAFTER_FILE)
     (out / "config.json").write_text(config_path.read_text())
