@@ -8,9 +8,11 @@ greedy), on prompts it was not trained on.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
 from kestrel.train.budget import Pacer
 from kestrel.train.data import Prompt
@@ -58,7 +60,14 @@ def evaluate_drafter(target: str | None, prompts: list[Prompt], drafter: str | N
         tokenized = Target(llm)
         jobs = [Job(i, tokenized.prompt_ids(p), params) for i, p in enumerate(prompts)]
         done: list[Job] = []
-        cut = generate_until(llm._require_engine(), jobs, len(jobs), Pacer(deadline), lambda j: done.append(j))
+        progress = Progress(log_interval_s=5.0, log=logging.getLogger("kestrel.train"))
+        progress.begin("held_out_measurement", total=len(jobs), unit="prompts")
+
+        def finished(job: Job) -> None:
+            done.append(job)
+            progress.update(len(done))
+
+        cut = generate_until(llm._require_engine(), jobs, len(jobs), Pacer(deadline), finished)
         stats = llm._require_engine().stats()
     finally:
         llm.shutdown()
