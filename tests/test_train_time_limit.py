@@ -21,8 +21,8 @@ from kestrel.train.trainer import TrainConfig, train_eagle3
 
 REPO = Path(__file__).resolve().parents[1]
 SNIPPETS = ["import os\n", "def main():\n", "class Foo:\n", "for i in range(10):\n", "# Copyright\n",
-            "from typing import Any\n", "while True:\n", "with open(path) as f:\n", "try:\n", "if __name__ == '__main__':\n",
-            "async def fetch(url):\n", "@dataclass\n"]
+            "from typing import Any\n", "while True:\n", "with open(path) as f:\n", "try:\n",
+            "if __name__ == '__main__':\n", "async def fetch(url):\n", "@dataclass\n"]
 
 
 def prompts_file(path: Path, n: int) -> Path:
@@ -32,8 +32,9 @@ def prompts_file(path: Path, n: int) -> Path:
 
 
 def config(out: Path, data: Path | None, **kw) -> TrainConfig:
-    base = dict(output=str(out), data=None if data is None else str(data), max_new_tokens=16, draft_vocab_size=512, ttt_steps=2, epochs=1,
-                batch_size=2, lr=1e-3, device="cpu", checkpoint_every=1000, engine_kwargs={"kv_cache_memory": 2**26})
+    base = dict(output=str(out), data=None if data is None else str(data), max_new_tokens=16, draft_vocab_size=512,
+                ttt_steps=2, epochs=1, batch_size=2, lr=1e-3, device="cpu", checkpoint_every=1000,
+                engine_kwargs={"kv_cache_memory": 2**26})
     base.update(kw)
     return TrainConfig(**base)
 

@@ -30,7 +30,6 @@ import torch
 from safetensors.torch import save_file
 
 from kestrel.errors import KestrelError
-from kestrel.models.eagle3 import Eagle3Config
 from kestrel.models.eagle3_loader import drafter_config_json, eagle3_config
 from kestrel.progress import Progress
 from kestrel.train.answers import FORMAT, AnswerStore, target_identity
