@@ -165,10 +165,13 @@ def call_from_object(text: str, i: int, final: bool, args_keys: tuple[str, ...] 
                      ) -> tuple[PartialCall | None, int | None]:
     """A `{"name": ..., "arguments": {...}}` object at text[i] as a call, and the index after it (None while open).
 
-    (None, end) when the object is complete but not a call (no string name, arguments not an object or a string
-    holding one); raises Invalid when it cannot become JSON. A partial call carries its name once the name's string
+    (None, end) when the object is complete but not a call (no name or no arguments); raises Invalid when it cannot
+    become a call's JSON (keys a call does not have, a name that is not a string, arguments that are not an object
+    or a string holding one). A partial call carries its name once the name's string
     is complete, and the raw text of an arguments object as far as it goes."""
     members, end = object_members(text, i)
+    if set(members) - {"name", *args_keys}:
+        raise Invalid("an object with keys a call does not have")
     name = None
     if "name" in members and members["name"][1] is not None:
         value = json.loads(text[members["name"][0]:members["name"][1]])
@@ -191,9 +194,9 @@ def call_from_object(text: str, i: int, final: bool, args_keys: tuple[str, ...] 
         if final:
             raise Invalid("the call's JSON is incomplete")
         return PartialCall(name, arguments), None
-    if name is None:
+    if name is None or key is None:
         return None, end
-    return PartialCall(name, arguments if key is not None else "{}", done=True), end
+    return PartialCall(name, arguments, done=True), end
 
 
 def arguments_text(value: str) -> str | None:
