@@ -120,7 +120,7 @@ def apply(tool_plan: ToolPlan, params: SamplingParams, tokenizer) -> tuple[str, 
     if tool_plan.make_parser is None or not params.skip_special_tokens:
         return ()
     markers = set(tool_plan.make_parser().markers)
-    if not markers & special_texts(tokenizer):
+    if not markers or not markers & special_texts(tokenizer):
         return ()
     params.skip_special_tokens = False
     return tuple(tokenizer.decode([i], skip_special_tokens=False) for i in sorted(tokenizer.eos_token_ids))
