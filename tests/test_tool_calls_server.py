@@ -1,12 +1,15 @@
-"""Tool calls through the server, end to end: a real uvicorn on loopback serving the tiny model with
-`--tool-call-parser hermes`, the official openai client and raw HTTP.
+"""Tool calls through the server, end to end: a real uvicorn on loopback, the real engine, the official openai
+client and raw HTTP.
 
-A random-weight model never writes a tool call by itself, so the "auto" tests here check what can be seen without
-one: the request is accepted, the tools and the tool messages reach the chat template (the prompt's token count
-equals transformers' own rendering of the same conversation), and the text comes back as content. The tests named
-`..._needs_constraint_engine` shape the output through the grammar ("required", a named function, and a regex that
-writes a Hermes call for the "auto" parser); they run once a module of kestrel imports xgrammar (the constraint
-engine of issue 54, built beside this), and are skipped before.
+A random-weight model never writes a tool call, so the "auto" server serves a scripted model: the tiny checkpoint
+with a few added tokens (pieces of a Hermes answer) and its weights set so that greedy decoding walks a fixed chain,
+the last prompt token -> "Sure." -> "\n<tool_call>\n" -> ... -> EOS (attention and MLP outputs zeroed, so each
+logit row reads only the current token). The engine, the detokenizer, the parser, the stream and the client are all
+real; only the text is known in advance. Its chat template renders the tools, the calls of assistant messages and
+the tool messages, and the prompt's token count is checked against transformers' own rendering.
+
+The tests named `..._needs_constraint_engine` need the grammar ("required", a named function): they run once a
+module of kestrel imports xgrammar (the constraint engine of issue 54, built beside this), and are skipped before.
 """
 from __future__ import annotations
 
@@ -23,8 +26,8 @@ from kestrel.config import EngineConfig
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.app import ServerConfig
 from kestrel.server.tool_parsers.forced import RequiredParser
-from kestrel.server.tools import apply, plan, required_schema
 from kestrel.server.protocol import ChatCompletionRequest
+from kestrel.server.tools import apply, plan, required_schema
 from tests.test_server import LiveServer
 
 # Renders the tool names and schemas, the calls of assistant messages and the ids tool messages answer.
@@ -39,7 +42,8 @@ TOOL_TEMPLATE = (
 TOOLS = [
     {"type": "function", "function": {"name": "get_weather", "description": "the weather in a city",
                                       "parameters": {"type": "object",
-                                                     "properties": {"city": {"type": "string", "enum": ["Paris", "Rome"]},
+                                                     "properties": {"city": {"type": "string",
+                                                                             "enum": ["Paris", "Rome"]},
                                                                     "days": {"type": "integer", "minimum": 1,
                                                                              "maximum": 7}},
                                                      "required": ["city", "days"]}}},
@@ -60,10 +64,17 @@ needs_constraint_engine = pytest.mark.skipif(not _constraint_engine_present(),
                                              reason="the constraint engine (issue 54, built beside this) is not here")
 
 
-@pytest.fixture(scope="module")
-def tool_checkpoint(checkpoint_factory, tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("ckpt_tools")
-    shutil.copytree(checkpoint_factory("llama", max_position_embeddings=1024), out, dirs_exist_ok=True)
+# The scripted answer: two Hermes calls after some text. Each piece is an added token, so the chain of greedy
+# successors never meets a token twice.
+PIECES = ["Sure.", "\n<tool_call>\n", '{"name": "get_time", "arguments": ', '{"tz": "UTC"}', "}\n</tool_call>",
+          "\n<tool_call>\n ", '{"name": "get_weather", "arguments": ', '{"city": "Paris", "days": 2}',
+          "}\n</tool_call> "]
+SCRIPTED_TEXT = "".join(PIECES)
+
+
+def with_template(src: Path, out: Path) -> Path:
+    if src != out:
+        shutil.copytree(src, out, dirs_exist_ok=True)
     (out / "chat_template.jinja").write_text(TOOL_TEMPLATE)
     config = json.loads((out / "tokenizer_config.json").read_text())
     config.pop("chat_template", None)
@@ -72,10 +83,58 @@ def tool_checkpoint(checkpoint_factory, tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="module")
-def server(tool_checkpoint):
-    with LiveServer(EngineConfig(model=str(tool_checkpoint), device="cpu"),
+def tool_checkpoint(checkpoint_factory, tmp_path_factory) -> Path:
+    """The tiny random model with the tool-rendering template."""
+    return with_template(checkpoint_factory("llama", max_position_embeddings=1024), tmp_path_factory.mktemp("tools"))
+
+
+@pytest.fixture(scope="module")
+def scripted_checkpoint(tmp_path_factory) -> Path:
+    """The tiny model whose greedy answer to any prompt of TOOL_TEMPLATE is SCRIPTED_TEXT, then EOS."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    from kestrel.models.tokenizer import Tokenizer
+    from tests.conftest import make_checkpoint, make_tokenizer
+
+    out = tmp_path_factory.mktemp("scripted")
+    tokenizer = make_tokenizer()
+    tokenizer.add_tokens(PIECES)
+    make_checkpoint(out, vocab_size=len(tokenizer), max_position_embeddings=1024)
+    tokenizer.save_pretrained(str(out))
+    with_template(out, out)
+    last_prompt_token = Tokenizer(out).apply_chat_template(USER, tools=TOOLS)[-1]   # "<|assistant|>"'s last token
+    chain = [last_prompt_token, *tokenizer.convert_tokens_to_ids(PIECES), tokenizer.eos_token_id]
+    weights = load_file(out / "model.safetensors")
+    for name, w in weights.items():
+        if name.endswith(("o_proj.weight", "down_proj.weight")):
+            w.zero_()   # the residual stream stays the current token's embedding
+    weights["model.norm.weight"].fill_(1.0)
+    weights["lm_head.weight"].zero_()
+    for i, (token, successor) in enumerate(zip(chain, chain[1:])):
+        weights["model.embed_tokens.weight"][token] = torch.nn.functional.one_hot(torch.tensor(i), 64).float()
+        weights["lm_head.weight"][successor, i] = 50.0
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    return out
+
+
+@pytest.fixture(scope="module")
+def server(scripted_checkpoint):
+    with LiveServer(EngineConfig(model=str(scripted_checkpoint), device="cpu"),
                     ServerConfig(tool_call_parser="hermes")) as s:
         yield s
+
+
+@pytest.fixture(scope="module")
+def plain_server(tool_checkpoint):
+    """The random model, no --tool-call-parser."""
+    with LiveServer(EngineConfig(model=str(tool_checkpoint), device="cpu")) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def plain_client(plain_server):
+    return openai.OpenAI(base_url=f"{plain_server.url}/v1", api_key="unused", max_retries=0)
 
 
 @pytest.fixture(scope="module")
@@ -84,9 +143,9 @@ def client(server):
 
 
 @pytest.fixture(scope="module")
-def hf_tokenizer(tool_checkpoint):
+def hf_tokenizer(scripted_checkpoint):
     from transformers import AutoTokenizer
-    return AutoTokenizer.from_pretrained(str(tool_checkpoint))
+    return AutoTokenizer.from_pretrained(str(scripted_checkpoint))
 
 
 def rendered_tokens(hf_tokenizer, messages, tools=None) -> int:
@@ -130,20 +189,82 @@ def test_tool_messages_and_assistant_calls_pass_through_the_template(client, hf_
     assert got.usage.prompt_tokens == rendered_tokens(hf_tokenizer, oracle, TOOLS)
 
 
-def test_auto_without_a_call_answers_content_streamed_and_not(client):
-    """No call in the text: the parser hands all of it back as content, as tool_choice "none" (no parser) does."""
-    model = client.models.list().data[0].id
-    common = dict(model=model, messages=USER, tools=TOOLS, max_tokens=12, temperature=0,
-                  extra_body={"ignore_eos": True})
-    raw = client.chat.completions.create(tool_choice="none", **common).choices[0]
-    whole = client.chat.completions.create(**common).choices[0]
-    assert "<tool_call>" not in raw.message.content and raw.message.content
-    assert whole.message.tool_calls in (None, [])
-    assert (whole.message.content, whole.finish_reason) == (raw.message.content, raw.finish_reason) == \
-        (raw.message.content, "length")
-    chunks = list(client.chat.completions.create(tool_choice="auto", stream=True, **common))
+def accumulate(chunks) -> tuple[str, dict[int, dict], str | None]:
+    """What a client builds from streamed tool-call deltas: content, calls by index, the last finish reason."""
+    content, calls, finish = "", {}, None
+    for c in chunks:
+        if not c.choices:
+            continue
+        delta = c.choices[0].delta
+        content += delta.content or ""
+        for t in delta.tool_calls or []:
+            call = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
+            if t.id:
+                assert call["id"] is None, "a call's id comes once, on its first delta"
+                call["id"] = t.id
+                assert t.type == "function"
+            if t.function and t.function.name:
+                call["name"] += t.function.name
+            if t.function and t.function.arguments:
+                call["arguments"] += t.function.arguments
+        finish = c.choices[0].finish_reason or finish
+    return content, calls, finish
+
+
+EXPECTED_CALLS = [("get_time", '{"tz": "UTC"}'), ("get_weather", '{"city": "Paris", "days": 2}')]
+
+
+def test_auto_reads_the_models_calls(client):
+    raw = client.chat.completions.create(model=client.models.list().data[0].id, messages=USER, tools=TOOLS,
+                                         tool_choice="none", max_tokens=40, temperature=0).choices[0]
+    assert raw.message.content == SCRIPTED_TEXT and raw.finish_reason == "stop"   # the script, as text
+    got = client.chat.completions.create(model=client.models.list().data[0].id, messages=USER, tools=TOOLS,
+                                         max_tokens=40, temperature=0).choices[0]
+    assert got.finish_reason == "tool_calls" and got.message.content == "Sure.\n"
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == EXPECTED_CALLS
+    ids = [c.id for c in got.message.tool_calls]
+    assert all(i.startswith("call_") for i in ids) and len(set(ids)) == 2
+    assert all(c.type == "function" for c in got.message.tool_calls)
+
+
+def test_auto_streams_calls_in_openais_delta_shape(client):
+    chunks = list(client.chat.completions.create(model=client.models.list().data[0].id, messages=USER, tools=TOOLS,
+                                                 max_tokens=40, temperature=0, stream=True,
+                                                 stream_options={"include_usage": True}))
     content, calls, finish = accumulate(chunks)
-    assert (content, calls, finish) == (raw.message.content, {}, "length")
+    assert (content, finish) == ("Sure.\n", "tool_calls")
+    assert [(c["name"], c["arguments"]) for _, c in sorted(calls.items())] == EXPECTED_CALLS
+    assert all(c["id"].startswith("call_") for c in calls.values())
+    firsts = [t for c in chunks if c.choices for t in c.choices[0].delta.tool_calls or [] if t.id]
+    assert [t.function.name for t in firsts] == ["get_time", "get_weather"]
+    assert chunks[-1].usage.completion_tokens == len(PIECES) + 1   # and the EOS
+    # the raw SSE chunks: a call's later deltas carry only its index and an arguments fragment
+    with httpx.stream("POST", f"{client.base_url}chat/completions", timeout=60, json={
+            "messages": USER, "tools": TOOLS, "max_tokens": 40, "temperature": 0, "stream": True}) as r:
+        deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in r.iter_lines()
+                  if line.startswith("data: {")]
+    fragments = [t for d in deltas for t in d.get("tool_calls", [])]
+    assert fragments[0].keys() == {"index", "id", "type", "function"}
+    assert any(f.keys() == {"index", "function"} and f["function"].keys() == {"arguments"} for f in fragments)
+
+
+def test_auto_without_a_call_answers_content(client):
+    """Cut before any call (max_tokens) or in the middle of one: what came is content, finish_reason "length"."""
+    for max_tokens, text in ((1, "Sure."), (3, "".join(PIECES[:3]))):
+        got = client.chat.completions.create(model=client.models.list().data[0].id, messages=USER, tools=TOOLS,
+                                             max_tokens=max_tokens, temperature=0).choices[0]
+        assert (got.message.content, got.message.tool_calls, got.finish_reason) == (text, [], "length")
+        content, calls, finish = accumulate(client.chat.completions.create(
+            model=client.models.list().data[0].id, messages=USER, tools=TOOLS, max_tokens=max_tokens,
+            temperature=0, stream=True))
+        assert (content, calls, finish) == (text, {}, "length")
+
+
+def test_a_call_cut_at_its_end_tag_by_a_stop_string_is_still_a_call(client):
+    got = client.chat.completions.create(model=client.models.list().data[0].id, messages=USER, tools=TOOLS,
+                                         max_tokens=40, temperature=0, stop=["</tool_call>"]).choices[0]
+    assert [(c.function.name, c.function.arguments) for c in got.message.tool_calls] == EXPECTED_CALLS[:1]
+    assert got.finish_reason == "tool_calls"
 
 
 def test_tool_choice_none_renders_the_tools_and_parses_nothing(client, hf_tokenizer):
@@ -180,12 +301,11 @@ def test_bad_tool_requests_are_400_in_openai_format(server, body, says):
     assert error["type"] == "invalid_request_error" and says in error["message"]
 
 
-def test_auto_on_a_server_without_a_parser_is_a_400_naming_the_flag(tool_checkpoint):
-    with LiveServer(EngineConfig(model=str(tool_checkpoint), device="cpu")) as plain:
-        r = post(plain, {"tools": TOOLS})
-        assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
-        assert r.json()["error"]["param"] == "tool_choice"
-        assert post(plain, {"tools": TOOLS, "tool_choice": "none"}).status_code == 200
+def test_auto_on_a_server_without_a_parser_is_a_400_naming_the_flag(plain_server):
+    r = post(plain_server, {"tools": TOOLS})
+    assert r.status_code == 400 and "--tool-call-parser" in r.json()["error"]["message"]
+    assert r.json()["error"]["param"] == "tool_choice"
+    assert post(plain_server, {"tools": TOOLS, "tool_choice": "none"}).status_code == 200
 
 
 # ---- the constraint the plan hands the sampler -----------------------------------------------------------------
@@ -236,30 +356,10 @@ def test_special_tags_keep_special_tokens_and_drop_the_eos_text(tmp_path):
 
 # ---- through the grammar --------------------------------------------------------------------------------------
 
-def accumulate(chunks) -> tuple[str, dict[int, dict], str | None]:
-    """What a client builds from streamed tool-call deltas: content, calls by index, the last finish reason."""
-    content, calls, finish = "", {}, None
-    for c in chunks:
-        if not c.choices:
-            continue
-        delta = c.choices[0].delta
-        content += delta.content or ""
-        for t in delta.tool_calls or []:
-            call = calls.setdefault(t.index, {"id": None, "name": "", "arguments": ""})
-            if t.id:
-                assert call["id"] is None, "a call's id comes once, on its first delta"
-                call["id"] = t.id
-                assert t.type == "function"
-            if t.function and t.function.name:
-                call["name"] += t.function.name
-            if t.function and t.function.arguments:
-                call["arguments"] += t.function.arguments
-        finish = c.choices[0].finish_reason or finish
-    return content, calls, finish
-
-
 @needs_constraint_engine
-def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(client):
+def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(plain_client):
+    """On the random model and a server without --tool-call-parser: the grammar alone makes the calls."""
+    client = plain_client
     model = client.models.list().data[0].id
     for stream in (False, True):
         got = client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice="required",
@@ -278,7 +378,8 @@ def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(cli
 
 
 @needs_constraint_engine
-def test_named_function_round_trip_needs_constraint_engine(client):
+def test_named_function_round_trip_needs_constraint_engine(plain_client):
+    client = plain_client
     model = client.models.list().data[0].id
     choice = {"type": "function", "function": {"name": "get_weather"}}
     got = client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice=choice,
@@ -290,22 +391,3 @@ def test_named_function_round_trip_needs_constraint_engine(client):
         model=model, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=40, temperature=0, stream=True))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", arguments)]
     assert finish == got.choices[0].finish_reason == "stop"   # OpenAI's finish reason for a named function
-
-
-@needs_constraint_engine
-def test_auto_reads_a_hermes_call_the_grammar_wrote_needs_constraint_engine(client):
-    """The family parser end to end: a regex makes the random model write a Hermes call, with text before it."""
-    model = client.models.list().data[0].id
-    regex = (r'Sure\.\n<tool_call>\n\{"name": "get_weather", "arguments": \{"city": "(Paris|Rome)", '
-             r'"days": [1-7]\}\}\n</tool_call>')
-    whole = client.chat.completions.create(model=model, messages=USER, tools=TOOLS, max_tokens=80, temperature=0,
-                                           extra_body={"guided_regex": regex})
-    message = whole.choices[0].message
-    assert message.content == "Sure.\n" and whole.choices[0].finish_reason == "tool_calls"
-    (call,) = message.tool_calls
-    assert call.function.name == "get_weather" and json.loads(call.function.arguments)["city"] in ("Paris", "Rome")
-    content, calls, finish = accumulate(client.chat.completions.create(
-        model=model, messages=USER, tools=TOOLS, max_tokens=80, temperature=0, stream=True,
-        extra_body={"guided_regex": regex}))
-    assert (content, finish) == ("Sure.\n", "tool_calls")
-    assert [(c["name"], c["arguments"]) for c in calls.values()] == [("get_weather", call.function.arguments)]

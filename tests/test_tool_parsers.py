@@ -149,14 +149,10 @@ def test_stream_of_plain_text_is_content_only(family):
 
 def test_llama3_json_answer_that_is_not_a_call_stays_content():
     text = '{"answer": 42, "name": "Bob"}'
-    assert Llama3JsonParser_parse(text) == (text, [])
+    parsed = parser_class("llama3_json")(TOOLS).parse(text)
+    assert (parsed.content, parsed.calls) == (text, [])
     content, calls, _ = streamed(parser_class("llama3_json")(TOOLS), text, random.Random(0))
     assert (content, calls) == (text, [])
-
-
-def Llama3JsonParser_parse(text):
-    parsed = parser_class("llama3_json")(TOOLS).parse(text)
-    return parsed.content, parsed.calls
 
 
 def test_llama3_json_without_the_python_tag():
@@ -207,7 +203,8 @@ def test_glm45_values_follow_the_tool_schema():
 
 
 def test_required_output_is_a_list_of_calls():
-    text = f'[{{"name": "get_weather", "parameters": {WEATHER_JSON}}}, {{"name": "get_time", "parameters": {TIME_JSON}}}]'
+    text = (f'[{{"name": "get_weather", "parameters": {WEATHER_JSON}}}, '
+            f'{{"name": "get_time", "parameters": {TIME_JSON}}}]')
     parsed = RequiredParser(TOOLS).parse(text)
     assert parsed.content is None
     assert [(c.name, c.arguments) for c in parsed.calls] == [("get_weather", WEATHER_JSON), ("get_time", TIME_JSON)]
