@@ -362,8 +362,9 @@ def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(pla
     client = plain_client
     model = client.models.list().data[0].id
     for stream in (False, True):
+        # one call: the random model would otherwise go on adding calls to the list until max_tokens
         got = client.chat.completions.create(model=model, messages=USER, tools=TOOLS, tool_choice="required",
-                                             max_tokens=80, temperature=0, stream=stream)
+                                             parallel_tool_calls=False, max_tokens=80, temperature=0, stream=stream)
         if stream:
             _, calls, finish = accumulate(got)
             calls = [calls[i] for i in sorted(calls)]
@@ -371,7 +372,7 @@ def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(pla
             finish = got.choices[0].finish_reason
             calls = [{"id": c.id, "name": c.function.name, "arguments": c.function.arguments}
                      for c in got.choices[0].message.tool_calls]
-        assert finish == "tool_calls" and calls
+        assert finish == "tool_calls" and len(calls) == 1
         for call in calls:
             assert call["id"].startswith("call_") and call["name"] in ("get_weather", "get_time")
             assert isinstance(json.loads(call["arguments"]), dict)
@@ -391,3 +392,12 @@ def test_named_function_round_trip_needs_constraint_engine(plain_client):
         model=model, messages=USER, tools=TOOLS, tool_choice=choice, max_tokens=40, temperature=0, stream=True))
     assert [(c["name"], json.loads(c["arguments"])) for c in calls.values()] == [("get_weather", arguments)]
     assert finish == got.choices[0].finish_reason == "stop"   # OpenAI's finish reason for a named function
+
+
+@needs_constraint_engine
+def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_needs_constraint_engine(plain_server):
+    bad = [{"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"a": {"type": "string", "pattern": "[[["}}}}}]
+    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
+        r = post(plain_server, {"tools": bad, "tool_choice": choice})
+        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
