@@ -31,9 +31,8 @@ def template_message(i: int, m) -> dict:
                 raise APIError(400, f"messages[{i}]: content part of type {part.type!r} is not supported "
                                     "(only text)", param="messages")
         content = "\n".join(part.text for part in content)
-    message = {"role": m.role, "content": content if content is not None or not m.tool_calls else None}
-    if message["content"] is None and not m.tool_calls:
-        message["content"] = ""
+    # no content: "" as before, but None beside calls (DeepSeek's template tests `content is none` there)
+    message = {"role": m.role, "content": content if content is not None else (None if m.tool_calls else "")}
     if m.name is not None:
         message["name"] = m.name
     if m.tool_call_id is not None:
