@@ -88,23 +88,24 @@ def tool_checkpoint(checkpoint_factory, tmp_path_factory) -> Path:
     return with_template(checkpoint_factory("llama", max_position_embeddings=1024), tmp_path_factory.mktemp("tools"))
 
 
-@pytest.fixture(scope="module")
-def scripted_checkpoint(tmp_path_factory) -> Path:
-    """The tiny model whose greedy answer to any prompt of TOOL_TEMPLATE is SCRIPTED_TEXT, then EOS."""
+def make_scripted(out: Path, pieces: list[str], special: tuple[str, ...] = ()) -> Path:
+    """The tiny model whose greedy answer to a prompt of TOOL_TEMPLATE is "".join(pieces), then EOS; `special`:
+    pieces added as special tokens (decoding skips them unless asked not to)."""
     import torch
     from safetensors.torch import load_file, save_file
 
     from kestrel.models.tokenizer import Tokenizer
     from tests.conftest import make_checkpoint, make_tokenizer
 
-    out = tmp_path_factory.mktemp("scripted")
     tokenizer = make_tokenizer()
-    tokenizer.add_tokens(PIECES)
+    tokenizer.add_tokens([p for p in pieces if p not in special])
+    if special:
+        tokenizer.add_special_tokens({"additional_special_tokens": list(special)})
     make_checkpoint(out, vocab_size=len(tokenizer), max_position_embeddings=1024)
     tokenizer.save_pretrained(str(out))
     with_template(out, out)
     last_prompt_token = Tokenizer(out).apply_chat_template(USER, tools=TOOLS)[-1]   # "<|assistant|>"'s last token
-    chain = [last_prompt_token, *tokenizer.convert_tokens_to_ids(PIECES), tokenizer.eos_token_id]
+    chain = [last_prompt_token, *tokenizer.convert_tokens_to_ids(pieces), tokenizer.eos_token_id]
     weights = load_file(out / "model.safetensors")
     for name, w in weights.items():
         if name.endswith(("o_proj.weight", "down_proj.weight")):
@@ -116,6 +117,11 @@ def scripted_checkpoint(tmp_path_factory) -> Path:
         weights["lm_head.weight"][successor, i] = 50.0
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     return out
+
+
+@pytest.fixture(scope="module")
+def scripted_checkpoint(tmp_path_factory) -> Path:
+    return make_scripted(tmp_path_factory.mktemp("scripted"), PIECES)
 
 
 @pytest.fixture(scope="module")
@@ -401,3 +407,25 @@ def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_needs_constraint_engi
     for choice in ("required", {"type": "function", "function": {"name": "f"}}):
         r = post(plain_server, {"tools": bad, "tool_choice": choice})
         assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+
+
+def test_mistral_tags_that_are_special_tokens_reach_the_parser(tmp_path_factory):
+    """[TOOL_CALLS] is a special token of Mistral's tokenizers: the request keeps special tokens so the parser sees
+    it, and the EOS text that ends the answer (now detokenized too) is not content."""
+    calls = '[{"name": "get_time", "arguments": {"tz": "UTC"}}]'
+    ckpt = make_scripted(tmp_path_factory.mktemp("scripted_mistral"), ["OK", "[TOOL_CALLS]", calls],
+                         special=("[TOOL_CALLS]",))
+    with LiveServer(EngineConfig(model=str(ckpt), device="cpu"), ServerConfig(tool_call_parser="mistral")) as s:
+        client = openai.OpenAI(base_url=f"{s.url}/v1", api_key="unused", max_retries=0)
+        common = dict(model=client.models.list().data[0].id, messages=USER, tools=TOOLS, max_tokens=20,
+                      temperature=0)
+        raw = client.chat.completions.create(tool_choice="none", **common).choices[0]
+        assert raw.message.content == "OK" + calls   # no parser: special tokens skipped as always
+        got = client.chat.completions.create(**common).choices[0]
+        assert (got.message.content, got.finish_reason) == ("OK", "tool_calls")
+        (call,) = got.message.tool_calls
+        assert (call.function.name, call.function.arguments) == ("get_time", '{"tz": "UTC"}')
+        assert len(call.id) == 9 and call.id.isalnum()
+        content, streamed, finish = accumulate(client.chat.completions.create(stream=True, **common))
+        assert (content, finish) == ("OK", "tool_calls")
+        assert [(c["name"], c["arguments"]) for c in streamed.values()] == [("get_time", '{"tz": "UTC"}')]
