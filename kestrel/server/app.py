@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -36,7 +37,7 @@ import kestrel
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError
 from kestrel.frontend.async_engine import AsyncEngine
-from kestrel.server import chat, completions
+from kestrel.server import chat, completions, tools
 from kestrel.server.log_lines import StatsLogger
 from kestrel.frontend.first_token import FirstTokenTrace
 from kestrel.server import router_info
@@ -61,6 +62,7 @@ class ServerConfig:
     log_requests: bool = True             # a log line per finished request
     log_stats_interval_s: float | None = 5.0  # seconds between throughput lines (only when busy); None: off
     max_request_body_bytes: int = 32 * 1024 * 1024   # a larger POST body is a 413, refused before it is read
+    tool_call_parser: str | None = None   # the family parser of tool_choice "auto" (server/tool_parsers); None: off
 
 
 class ServerState:
@@ -210,16 +212,20 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         req = await _parse_body(ChatCompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         check_sequences(1, req.n)
+        tool_plan = tools.plan(req, config.tool_call_parser)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         trace.parsed = time.monotonic()
         try:
-            prompt = await _tokenize(chat.prompt_token_ids, req, state.engine.tokenizer)
+            tokenizer = state.engine.tokenizer
+            eos_texts = tools.apply(tool_plan, params, tokenizer)
+            prompt = await _tokenize(functools.partial(chat.prompt_token_ids, tools=tool_plan.template_tools),
+                                     req, tokenizer)
         except Exception as exc:   # noqa: BLE001
             raise api_error_from(exc, param="messages") from None
         trace.tokenized = time.monotonic()
         gen = Generation(state.engine, state.metrics, [prompt], params, "chatcmpl", config.log_requests, trace)
-        return await _respond(request, gen, req.stream, req.stream_options, chat, state,
-                              want_logprobs=req.logprobs, param="messages")
+        return await _respond(request, gen, req.stream, req.stream_options, chat.ChatFormat(tool_plan, eos_texts),
+                              state, want_logprobs=req.logprobs, param="messages")
 
     for route in app.routes:
         if isinstance(route, APIRoute) and route.path in ("/v1/completions", "/v1/chat/completions"):
