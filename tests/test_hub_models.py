@@ -133,6 +133,22 @@ def test_generation_with_a_drafter_by_hub_id_is_the_targets_greedy_output(offlin
     llm = LLM(REPO, device="cpu", download_dir=offline, speculative_algorithm="EAGLE3",
               speculative_draft_model_path=DRAFTER)
     assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == want
+    assert llm.engine.spec.counters.num_draft_tokens > 0   # the drafter did draft
+
+
+def test_a_published_drafter_with_pytorch_bin_weights_loads_by_hub_id(offline, hf_home):
+    """The EAGLE authors publish their EAGLE-3 drafters as config.json + pytorch_model.bin (no safetensors)."""
+    import torch
+    from safetensors.torch import load_file
+
+    buffer = __import__("io").BytesIO()
+    torch.save(load_file(DEFAULT_DRAFTER_DIR / "model.safetensors"), buffer)
+    add_snapshot(hf_home / "hub", "kestrel-test/eagle3-bin", {
+        "config.json": (DEFAULT_DRAFTER_DIR / "config.json").read_bytes(), "pytorch_model.bin": buffer.getvalue()})
+    want = LLM(REPO, device="cpu", download_dir=offline).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
+    llm = LLM(REPO, device="cpu", download_dir=offline,
+              speculative_config={"method": "eagle3", "model": "kestrel-test/eagle3-bin"})
+    assert llm.generate([PROMPT], GREEDY)[0].outputs[0].token_ids == want
 
 
 def test_a_tokenizer_by_hub_id(offline, hf_home):
@@ -220,6 +236,7 @@ def test_kestrel_quantize_and_convert_take_hub_ids(hf_home, tmp_path):
     assert any((tmp_path / "hf").glob("*.safetensors"))
 
 
+@pytest.mark.slow
 def test_kestrel_serve_by_hub_id_answers_the_official_client(hf_home):
     port = free_port()
     proc = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "serve", REPO, "--device", "cpu", "--port",

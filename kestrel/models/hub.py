@@ -1,7 +1,8 @@
 """Hugging Face Hub ids (`ORG/NAME`, `ORG/NAME/FILE.gguf`) -> a snapshot directory (or file) in the HF cache.
 
-As vLLM and SGLang take them: `huggingface_hub.snapshot_download` fetches the weights, config and tokenizer files
-(nothing else: no README, no .bin/.pth/.gguf twins of the safetensors) into the HF cache, which huggingface_hub
+As vLLM and SGLang take them: `huggingface_hub.snapshot_download` fetches the weights (safetensors; transformers'
+pytorch_model*.bin only where a repo has no safetensors), config and tokenizer files, nothing else (no README, no
+.pth/.gguf twins of the weights), into the HF cache, which huggingface_hub
 places and configures itself (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN`); `--download-dir` is its
 `cache_dir`, `--revision` a branch, tag or commit, `--hf-token` a token over HF_TOKEN.
 
@@ -27,6 +28,9 @@ from kestrel.progress import Progress
 # vocabularies; merges.txt / vocab.txt; chat_template.jinja.
 CONFIG_PATTERNS = ("*.json", "*.model", "*.tiktoken", "*.txt", "*.jinja")
 WEIGHT_PATTERNS = ("*.safetensors",)
+# transformers' PyTorch weights (and shards), fetched only where a repo has no safetensors: training leftovers such
+# as optimizer.bin or training_args.bin are no weights
+BIN_WEIGHTS = "pytorch_model*.bin"
 # Never: Meta's `original/` folder (consolidated .pth and its params), Mistral's consolidated.safetensors twin of
 # the HF shards (the same weights again under other names).
 IGNORE_PATTERNS = ("original/*", "consolidated*.safetensors")
@@ -102,14 +106,14 @@ def _fetch_file(hub_id: HubId, options: HubOptions) -> Path:
 def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool) -> Path:
     from huggingface_hub import is_offline_mode, snapshot_download
 
-    # Online: the revision's file list decides what to fetch and how much that is. Offline: the cache decides
-    # (local_files_only: snapshot_download would otherwise ask the Hub for a commit's file list it has not cached).
+    # Online: the revision's file list (and sizes) decides what to fetch. Offline: the list huggingface_hub cached
+    # with the snapshot, if any, and otherwise the snapshot as it is (local_files_only: snapshot_download would
+    # otherwise ask the Hub for a commit's file list it has not cached).
     offline = is_offline_mode()
-    sizes = None if offline else _repo_file_sizes(hub_id.repo, options)
-    patterns = list(CONFIG_PATTERNS) + (list(WEIGHT_PATTERNS) if weights else [])
+    sizes = _cached_file_sizes(hub_id.repo, options) if offline else _repo_file_sizes(hub_id.repo, options)
+    patterns = list(CONFIG_PATTERNS) + (_weight_patterns(sizes, hub_id, name) if weights else [])
     watch = contextlib.nullcontext()
-    if sizes is not None:
-        _check_weights(sizes, hub_id, name, weights)
+    if sizes is not None and not offline:
         wanted = {f: s for f, s in sizes.items() if _selected(f, patterns)}
         watch = _DownloadWatch(_repo_folder(hub_id.repo, options), name, wanted)
     with watch:
@@ -119,8 +123,8 @@ def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool
     if not (path / "config.json").is_file():
         raise KestrelError(f"{name}: the snapshot {path} has no config.json (not a transformers checkpoint; "
                            "for a GGUF repo name its file, ORG/NAME/FILE.gguf)")
-    if weights and not any(path.glob("*.safetensors")):
-        hint = " (cached without them, e.g. by --load-format dummy: fetch it online once)" if sizes is None else ""
+    if weights and not any(path.glob("*.safetensors")) and not any(path.glob(BIN_WEIGHTS)):
+        hint = " (cached without them, e.g. by --load-format dummy: fetch it online once)" if offline else ""
         raise KestrelError(f"{name}: the snapshot {path} has no *.safetensors weights{hint}")
     return path
 
@@ -140,25 +144,39 @@ def _repo_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
         return None
 
 
+def _cached_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
+    """The file list huggingface_hub keeps beside a snapshot it downloaded; None where there is none."""
+    from huggingface_hub import get_cached_repo_tree
+
+    try:
+        tree = get_cached_repo_tree(repo, revision=options.revision, cache_dir=options.cache_dir)
+    except Exception:  # noqa: BLE001 - no cached list (CachedRepoTreeNotFoundError, an older cache): none
+        return None
+    return {f.path: f.size or 0 for f in tree}
+
+
 def _selected(path: str, patterns: list[str]) -> bool:
     # the same test huggingface_hub's filter_repo_objects applies to allow_patterns / ignore_patterns
     return any(fnmatch.fnmatch(path, p) for p in patterns) and not any(fnmatch.fnmatch(path, p)
                                                                        for p in IGNORE_PATTERNS)
 
 
-def _check_weights(sizes: dict[str, int], hub_id: HubId, name: str, weights: bool) -> None:
-    """Refuse, before downloading anything, a repo whose weights Kestrel could not load."""
-    if not weights or any(_selected(f, list(WEIGHT_PATTERNS)) for f in sizes):
-        return
+def _weight_patterns(sizes: dict[str, int] | None, hub_id: HubId, name: str) -> list[str]:
+    """safetensors where the repo has them, else transformers' .bin weights (loader.py reads both); refused, before
+    anything is downloaded, where it has neither. `sizes` None (offline, no cached file list): whichever the
+    snapshot holds."""
+    if sizes is None:
+        return [*WEIGHT_PATTERNS, BIN_WEIGHTS]
+    if any(_selected(f, list(WEIGHT_PATTERNS)) for f in sizes):
+        return list(WEIGHT_PATTERNS)
+    if any(_selected(f, [BIN_WEIGHTS]) for f in sizes):
+        return [BIN_WEIGHTS]
     ggufs = sorted(f for f in sizes if f.endswith(".gguf"))
     if ggufs:
         raise KestrelError(f"{name} is a GGUF repo: name one of its files, e.g. {hub_id.repo}/{ggufs[0]} "
                            f"({len(ggufs)} in it: {', '.join(ggufs[:4])}{', ...' if len(ggufs) > 4 else ''})")
-    if any(f.endswith((".bin", ".pt", ".pth")) for f in sizes):
-        # Kestrel's loader reads safetensors (models/loader.py); fetching GBs of pickles it cannot read helps no one.
-        raise KestrelError(f"{name} has PyTorch .bin weights only, no *.safetensors: Kestrel loads safetensors "
-                           "(many repos have a safetensors revision, e.g. --revision refs/pr/N)")
-    raise KestrelError(f"{name} has no *.safetensors weights; its files: {', '.join(sorted(sizes)[:8])}")
+    raise KestrelError(f"{name} has no weights Kestrel reads (*.safetensors, pytorch_model*.bin); its files: "
+                       f"{', '.join(sorted(sizes)[:8])}")
 
 
 def _explain(exc: Exception, hub_id: HubId, options: HubOptions, name: str) -> str:
