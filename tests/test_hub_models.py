@@ -18,6 +18,7 @@ from pathlib import Path
 import httpx
 import huggingface_hub
 import openai
+from huggingface_hub import constants as hf_constants
 import pytest
 
 from kestrel import LLM, SamplingParams
@@ -56,7 +57,7 @@ def hf_home(tmp_path_factory) -> Path:
 @pytest.fixture
 def offline(monkeypatch, hf_home):
     """This process offline, its cache hf_home's (passed as download_dir: huggingface_hub read HF_HOME at import)."""
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(hf_constants, "HF_HUB_OFFLINE", True)
     return str(hf_home / "hub")
 
 
@@ -138,13 +139,8 @@ def test_generation_with_a_drafter_by_hub_id_is_the_targets_greedy_output(offlin
 
 def test_a_published_drafter_with_pytorch_bin_weights_loads_by_hub_id(offline, hf_home):
     """The EAGLE authors publish their EAGLE-3 drafters as config.json + pytorch_model.bin (no safetensors)."""
-    import torch
-    from safetensors.torch import load_file
-
-    buffer = __import__("io").BytesIO()
-    torch.save(load_file(DEFAULT_DRAFTER_DIR / "model.safetensors"), buffer)
     add_snapshot(hf_home / "hub", "kestrel-test/eagle3-bin", {
-        "config.json": (DEFAULT_DRAFTER_DIR / "config.json").read_bytes(), "pytorch_model.bin": buffer.getvalue()})
+        "config.json": (DEFAULT_DRAFTER_DIR / "config.json").read_bytes(), "pytorch_model.bin": _pickled_drafter()})
     want = LLM(REPO, device="cpu", download_dir=offline).generate([PROMPT], GREEDY)[0].outputs[0].token_ids
     llm = LLM(REPO, device="cpu", download_dir=offline,
               speculative_config={"method": "eagle3", "model": "kestrel-test/eagle3-bin"})
@@ -190,11 +186,40 @@ def test_a_snapshot_cached_without_weights_says_so(offline, hf_home):
 def test_bench_tokenizer_by_hub_id(offline, hf_home, monkeypatch):
     from kestrel.bench.tokenizer import load_tokenizer
 
-    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_CACHE", offline)
+    monkeypatch.setattr(hf_constants, "HF_HUB_CACHE", offline)
     tok = load_tokenizer(REPO)
     assert Path(tok.path) == _snapshot(hf_home, REPO) / "tokenizer.json"
     # the served id, when no local directory is there
     assert Path(load_tokenizer(None, ("/nowhere", REPO)).path) == _snapshot(hf_home, REPO) / "tokenizer.json"
+
+
+def test_a_download_in_progress_is_told_in_log_lines(tmp_path, caplog):
+    """Bytes landing in the repo's blobs/ are logged once a second with the total, rate and ETA (huggingface_hub's
+    own bars are silenced: a bar redraws one line, which `kestrel launch` and log files do not see move)."""
+    import logging
+    import threading
+
+    from kestrel.models.hub import _DownloadWatch
+
+    (tmp_path / "blobs").mkdir()
+    caplog.set_level(logging.INFO, logger="kestrel.startup")
+
+    def write() -> None:
+        with open(tmp_path / "blobs" / "abc.incomplete", "wb") as f:
+            for _ in range(6):
+                f.write(b"x" * 500_000)
+                f.flush()
+                time.sleep(0.4)
+
+    with _DownloadWatch(tmp_path, "acme/model", {"model.safetensors": 3_000_000}):
+        writer = threading.Thread(target=write)
+        writer.start()
+        writer.join()
+        time.sleep(1.2)
+    lines = [r.getMessage() for r in caplog.records if r.name == "kestrel.startup"]
+    assert lines[0] == "phase: downloading acme/model (3.0 MB)"
+    assert len(lines) >= 3 and all(line.startswith("downloading acme/model ") for line in lines[1:])
+    assert "/3.0 MB" in lines[-1] and "MB/s" in lines[-1]
 
 
 def _kestrel(args: list[str], hf_home: Path, timeout: float = 120) -> subprocess.CompletedProcess:
@@ -262,3 +287,80 @@ def test_kestrel_serve_by_hub_id_answers_the_official_client(hf_home):
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+
+
+# The online road, against tests/fake_hub.py (huggingface.co's routes on loopback, HF_ENDPOINT): what is listed,
+# chosen and downloaded, then the same id offline from the cache that download left.
+
+def _online_env(home: Path, hub) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("HF_")}
+    return {**env, "HF_HOME": str(home), "HF_ENDPOINT": hub.url}
+
+
+def _config_in_subprocess(env: dict[str, str], **kwargs) -> subprocess.CompletedProcess:
+    code = ("import json, sys; from kestrel.config import EngineConfig; from kestrel.errors import KestrelError\n"
+            "try:\n    c = EngineConfig.from_kwargs(**json.loads(sys.argv[1]))\n"
+            "except KestrelError as e:\n    sys.exit(f'error: {e}')\n"
+            "print(json.dumps([str(c.model_path), c.speculative and c.speculative.model]))")
+    return subprocess.run([sys.executable, "-c", code, json.dumps(kwargs)], capture_output=True, text=True, env=env,
+                          timeout=120)
+
+
+@pytest.mark.slow
+def test_online_a_hub_id_fetches_weights_config_and_tokenizer_only_then_loads_offline(tmp_path):
+    from tests.fake_hub import FakeHub
+
+    files = _checkpoint_files(DEFAULT_MODEL_DIR)
+    extra = {"README.md": b"# card", "pytorch_model.bin": b"pickled twin", "original/consolidated.00.pth": b"meta",
+             "training_args.bin": b"pickle"}
+    drafter = {"config.json": (DEFAULT_DRAFTER_DIR / "config.json").read_bytes(),
+               "pytorch_model.bin": _pickled_drafter(), "optimizer.bin": b"state"}
+    repos = {REPO: {"main": {**files, **extra}}, "kestrel-test/eagle3-bin": {"main": drafter},
+             "kestrel-test/gguf-only": {"main": {"a.Q4_0.gguf": b"GGUF", "b.Q8_0.gguf": b"GGUF"}}}
+    with FakeHub(repos) as hub:
+        env = _online_env(tmp_path, hub)
+        proc = _config_in_subprocess(env, model=REPO, speculative_config={"method": "eagle3",
+                                                                          "model": "kestrel-test/eagle3-bin"})
+        assert proc.returncode == 0, proc.stderr
+        model_dir, drafter_dir = map(Path, json.loads(proc.stdout))
+        fetched = {path.rsplit("/resolve/", 1)[1].split("/", 1)[1] for method, path in hub.requests
+                   if method == "GET" and "/resolve/" in path}
+        # the model card, README, the .bin twin, original/ and training leftovers stay on the Hub
+        assert fetched == (set(files) - {"MODEL_CARD.md"}) | {"config.json", "pytorch_model.bin"}
+        assert {p.name for p in model_dir.iterdir()} == set(files) - {"MODEL_CARD.md"}
+        assert {p.name for p in drafter_dir.iterdir()} == {"config.json", "pytorch_model.bin"}
+        assert model_dir.parent.parent.name == "models--kestrel-test--kestrel-tiny"
+
+        # a GGUF repo is refused before anything is downloaded, naming its files
+        hub.requests.clear()
+        proc = _config_in_subprocess(env, model="kestrel-test/gguf-only")
+        assert proc.returncode != 0 and "name one of its files, e.g. kestrel-test/gguf-only/a.Q4_0.gguf" in \
+            proc.stderr
+        assert not [path for method, path in hub.requests if method == "GET" and "/resolve/" in path]
+
+        # the Hub's answers for a missing repo and revision, as one line each (the CLI: exit 2)
+        for args, message in ((["--model", "acme/nope"], "acme/nope is not a model on the Hugging Face Hub"),
+                              (["--model", REPO, "--revision", "v9"], f"{REPO} has no revision 'v9'")):
+            proc = subprocess.run([sys.executable, "-m", "kestrel.cli", "generate", *args, "--prompt", "x"],
+                                  capture_output=True, text=True, env=env, timeout=120)
+            lines = [line for line in proc.stderr.splitlines() if line.strip()]
+            assert proc.returncode == 2 and len(lines) == 1 and message in lines[0], proc.stderr
+
+    # the Hub gone: offline, the cache that download left answers (huggingface_hub checks it against the file list
+    # it cached, with the patterns Kestrel chose online)
+    offline_env = {**env, "HF_HUB_OFFLINE": "1"}
+    proc = _config_in_subprocess(offline_env, model=REPO, speculative_config={"method": "eagle3",
+                                                                              "model": "kestrel-test/eagle3-bin"})
+    assert proc.returncode == 0, proc.stderr
+    assert json.loads(proc.stdout) == [str(model_dir), str(drafter_dir)]
+
+
+def _pickled_drafter() -> bytes:
+    import io
+
+    import torch
+    from safetensors.torch import load_file
+
+    buffer = io.BytesIO()
+    torch.save(load_file(DEFAULT_DRAFTER_DIR / "model.safetensors"), buffer)
+    return buffer.getvalue()
