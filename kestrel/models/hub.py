@@ -261,15 +261,17 @@ class _DownloadWatch:
             return 0
 
     def _run(self) -> None:
-        began = False
         while not self._stop.wait(1.0):
-            done = self._blob_bytes() - self.start_bytes
-            if done <= 0:
-                continue
-            if not began:   # only a real download says anything
-                self.progress.begin(f"downloading {self.name}", self.total, "B")
-                began = True
-            self.progress.update(done)
+            self._report()
+        self._report()   # the last bytes, once the download is over
+
+    def _report(self) -> None:
+        done = self._blob_bytes() - self.start_bytes
+        if done <= 0:
+            return
+        if self.progress.phase == "starting":   # only a real download says anything
+            self.progress.begin(f"downloading {self.name}", self.total, "B")
+        self.progress.update(done)
 
     def __enter__(self) -> "_DownloadWatch":
         self._thread.start()
@@ -277,4 +279,4 @@ class _DownloadWatch:
 
     def __exit__(self, *exc) -> None:
         self._stop.set()
-        self._thread.join(timeout=2)
+        self._thread.join(timeout=5)
