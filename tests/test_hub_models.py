@@ -212,7 +212,11 @@ def test_a_download_in_progress_is_told_in_log_lines(tmp_path, caplog):
                 f.flush()
                 time.sleep(0.2)
 
-    with _DownloadWatch(tmp_path, "acme/model", {"model.safetensors": 3_000_000}):
+    from huggingface_hub.hf_api import RepoFile
+
+    wanted = [RepoFile(path="model.safetensors", size=3_000_000, oid="abc", lfs={"size": 3_000_000, "oid": "abc",
+                                                                                 "pointerSize": 130})]
+    with _DownloadWatch(tmp_path, "acme/model", wanted):
         writer = threading.Thread(target=write)
         writer.start()
         writer.join()

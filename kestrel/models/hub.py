@@ -2,9 +2,9 @@
 
 As vLLM and SGLang take them: `huggingface_hub.snapshot_download` fetches the weights (safetensors; transformers'
 pytorch_model*.bin only where a repo has no safetensors), config and tokenizer files, nothing else (no README, no
-.pth/.gguf twins of the weights), into the HF cache, which huggingface_hub
-places and configures itself (`HF_HOME`, `HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN`); `--download-dir` is its
-`cache_dir`, `--revision` a branch, tag or commit, `--hf-token` a token over HF_TOKEN.
+.pth/.gguf twins of the weights), into the HF cache, which huggingface_hub places and configures itself (`HF_HOME`,
+`HF_HUB_CACHE`, `HF_HUB_OFFLINE`, `HF_TOKEN`); `--download-dir` is its `cache_dir`, `--revision` a branch, tag or
+commit, `--hf-token` a token over HF_TOKEN.
 
 Two entries: `fetch` (the front doors, once: asks the Hub for the revision's files and downloads what is missing,
 with progress lines) and `cached` (everything after, in any process: the snapshot already on disk, no network).
@@ -110,11 +110,11 @@ def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool
     # with the snapshot, if any, and otherwise the snapshot as it is (local_files_only: snapshot_download would
     # otherwise ask the Hub for a commit's file list it has not cached).
     offline = is_offline_mode()
-    sizes = _cached_file_sizes(hub_id.repo, options) if offline else _repo_file_sizes(hub_id.repo, options)
-    patterns = list(CONFIG_PATTERNS) + (_weight_patterns(sizes, hub_id, name) if weights else [])
+    files = _cached_files(hub_id.repo, options) if offline else _repo_files(hub_id.repo, options)
+    patterns = list(CONFIG_PATTERNS) + (_weight_patterns(files, hub_id, name) if weights else [])
     watch = contextlib.nullcontext()
-    if sizes is not None and not offline:
-        wanted = {f: s for f, s in sizes.items() if _selected(f, patterns)}
+    if files is not None and not offline:
+        wanted = [f for path, f in files.items() if _selected(path, patterns)]
         watch = _DownloadWatch(_repo_folder(hub_id.repo, options), name, wanted)
     with watch:
         path = Path(snapshot_download(hub_id.repo, revision=options.revision, cache_dir=options.cache_dir,
@@ -129,9 +129,9 @@ def _fetch_snapshot(hub_id: HubId, options: HubOptions, name: str, weights: bool
     return path
 
 
-def _repo_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
-    """The revision's files and their sizes; None where the Hub cannot be reached (snapshot_download then falls
-    back to the cache, as it does itself)."""
+def _repo_files(repo: str, options: HubOptions) -> dict | None:
+    """The revision's files (path -> RepoFile: size, blob id); None where the Hub cannot be reached
+    (snapshot_download then falls back to the cache, as it does itself)."""
     import httpx
     from huggingface_hub import HfApi
     from huggingface_hub.errors import OfflineModeIsEnabled
@@ -139,12 +139,12 @@ def _repo_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
 
     try:
         tree = HfApi(token=options.token).list_repo_tree(repo, revision=options.revision, recursive=True)
-        return {f.path: f.size or 0 for f in tree if isinstance(f, RepoFile)}
+        return {f.path: f for f in tree if isinstance(f, RepoFile)}
     except (httpx.ConnectError, httpx.TimeoutException, OfflineModeIsEnabled):
         return None
 
 
-def _cached_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
+def _cached_files(repo: str, options: HubOptions) -> dict | None:
     """The file list huggingface_hub keeps beside a snapshot it downloaded; None where there is none."""
     from huggingface_hub import get_cached_repo_tree
 
@@ -152,7 +152,7 @@ def _cached_file_sizes(repo: str, options: HubOptions) -> dict[str, int] | None:
         tree = get_cached_repo_tree(repo, revision=options.revision, cache_dir=options.cache_dir)
     except Exception:  # noqa: BLE001 - no cached list (CachedRepoTreeNotFoundError, an older cache): none
         return None
-    return {f.path: f.size or 0 for f in tree}
+    return {f.path: f for f in tree}
 
 
 def _selected(path: str, patterns: list[str]) -> bool:
@@ -161,22 +161,22 @@ def _selected(path: str, patterns: list[str]) -> bool:
                                                                        for p in IGNORE_PATTERNS)
 
 
-def _weight_patterns(sizes: dict[str, int] | None, hub_id: HubId, name: str) -> list[str]:
+def _weight_patterns(files: dict | None, hub_id: HubId, name: str) -> list[str]:
     """safetensors where the repo has them, else transformers' .bin weights (loader.py reads both); refused, before
-    anything is downloaded, where it has neither. `sizes` None (offline, no cached file list): whichever the
+    anything is downloaded, where it has neither. `files` None (offline, no cached file list): whichever the
     snapshot holds."""
-    if sizes is None:
+    if files is None:
         return [*WEIGHT_PATTERNS, BIN_WEIGHTS]
-    if any(_selected(f, list(WEIGHT_PATTERNS)) for f in sizes):
+    if any(_selected(f, list(WEIGHT_PATTERNS)) for f in files):
         return list(WEIGHT_PATTERNS)
-    if any(_selected(f, [BIN_WEIGHTS]) for f in sizes):
+    if any(_selected(f, [BIN_WEIGHTS]) for f in files):
         return [BIN_WEIGHTS]
-    ggufs = sorted(f for f in sizes if f.endswith(".gguf"))
+    ggufs = sorted(f for f in files if f.endswith(".gguf"))
     if ggufs:
         raise KestrelError(f"{name} is a GGUF repo: name one of its files, e.g. {hub_id.repo}/{ggufs[0]} "
                            f"({len(ggufs)} in it: {', '.join(ggufs[:4])}{', ...' if len(ggufs) > 4 else ''})")
     raise KestrelError(f"{name} has no weights Kestrel reads (*.safetensors, pytorch_model*.bin); its files: "
-                       f"{', '.join(sorted(sizes)[:8])}")
+                       f"{', '.join(sorted(files)[:8])}")
 
 
 def _explain(exc: Exception, hub_id: HubId, options: HubOptions, name: str) -> str:
@@ -244,12 +244,14 @@ class _DownloadWatch:
     """While snapshot_download runs, the bytes landing in the repo's blobs/ folder as Progress lines ("downloading
     ORG/NAME 1.20 GB/16.06 GB, 95.3 MB/s, ETA 156 s"), once a second; nothing when everything is cached."""
 
-    def __init__(self, repo_folder: Path, name: str, wanted: dict[str, int]) -> None:
+    def __init__(self, repo_folder: Path, name: str, wanted: list) -> None:
         self.blobs = repo_folder / "blobs"
         self.name = name
         self.start_bytes = self._blob_bytes()
-        # what is left to fetch, roughly: blobs of other revisions in the cache make it an underestimate
-        self.total = max(sum(wanted.values()) - self.start_bytes, 0) or None
+        # what is left to fetch: the wanted files whose blob is not cached yet (blobs/ names a file by its ETag:
+        # the sha256 of an LFS file, the git blob id of the others)
+        missing = [f for f in wanted if not (self.blobs / (f.lfs.sha256 if f.lfs else f.blob_id)).exists()]
+        self.total = sum(f.size or 0 for f in missing) or None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="hub-download-watch", daemon=True)
         self.progress = Progress()
