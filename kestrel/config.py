@@ -159,10 +159,14 @@ class EngineConfig:
 
     @property
     def tokenizer_path(self) -> Path:
-        """--tokenizer's directory (a Hub id's snapshot), else the model's."""
+        """--tokenizer's directory (a Hub id's snapshot, at its default revision: --revision is the model's),
+        else the model's."""
+        from kestrel.models.hub import HubOptions
         from kestrel.models.names import resolve_model
 
-        return resolve_model(self.tokenizer, self.hub) if self.tokenizer else self.model_path
+        if not self.tokenizer:
+            return self.model_path
+        return resolve_model(self.tokenizer, HubOptions(None, self.download_dir, self.hf_token))
 
     @property
     def model_name(self) -> str:
@@ -204,11 +208,12 @@ def fetch_hub_models(options: dict) -> None:
 
     hub = HubOptions(options.get("revision"), options.get("download_dir"), options.get("hf_token"))
     drafter = drafter_name(options.get("speculative_config"), options.get("speculative_draft_model_path"))
-    # (name, revision, weights): the tokenizer needs no weights, nor does --load-format dummy; the drafter is
-    # fetched at its default revision (--revision names the target's)
+    # (name, where, weights): the tokenizer needs no weights, nor does --load-format dummy; the tokenizer and the
+    # drafter are fetched at their default revision (--revision names the model's, as vLLM's)
+    default_revision = HubOptions(None, hub.cache_dir, hub.token)
     wanted = [(options.get("model"), hub, options.get("load_format", "auto") != "dummy"),
-              (options.get("tokenizer"), hub, False),
-              (drafter, HubOptions(None, hub.cache_dir, hub.token), True)]
+              (options.get("tokenizer"), default_revision, False),
+              (drafter, default_revision, True)]
     for name, where, weights in wanted:
         if isinstance(name, str) and is_hub_name(name):
             resolve_model(name, where, fetch=True, weights=weights)
@@ -347,8 +352,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_args(_merge_model_positional(args))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's flags as `LLM(...)` keywords (for a front door that builds an LLM: it fetches Hub ids once)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(_merge_model_positional(args)).items() if k in names}
+
+
+def _merge_model_positional(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "model_pos", None):
         if args.model and args.model != args.model_pos:
             raise KestrelError(f"model given twice: {args.model_pos!r} and --model {args.model!r}")
         args.model = args.model_pos
-    return EngineConfig.from_args(args)
+    return args
