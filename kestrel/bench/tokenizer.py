@@ -71,11 +71,21 @@ def tokenizer_file(path: str) -> Path | None:
 
 
 def load_tokenizer(path: str | None, model_names: tuple[str | None, ...] = ()) -> BenchTokenizer | None:
-    """--tokenizer, else the first of `model_names` (--model, the served id and root) that is a local checkpoint
-    directory with a tokenizer.json, else None (random prompts fall back to common words)."""
+    """--tokenizer (a directory, a tokenizer.json or a Hub id), else the first of `model_names` (--model, the
+    served id and root) that is a local checkpoint directory with a tokenizer.json, else the first that is a Hub
+    id whose tokenizer files huggingface_hub can fetch (as vLLM's benchmark does), else None (random prompts fall
+    back to common words)."""
+    from kestrel.models.names import is_hub_name, resolve_model
+
     if path:
-        return BenchTokenizer(path)
+        return BenchTokenizer(str(resolve_model(path, fetch=True, weights=False)) if is_hub_name(path) else path)
     for name in model_names:
         if name and tokenizer_file(name) is not None:
             return BenchTokenizer(name)
+    for name in model_names:
+        if name and is_hub_name(name):
+            try:
+                return BenchTokenizer(str(resolve_model(name, fetch=True, weights=False)))
+            except KestrelError:   # a served name that only looks like an id, or no Hub from here: next one
+                continue
     return None

@@ -78,7 +78,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine.stats, self.model_name)
         self.identity = router_info.WorkerIdentity(
             model_name=self.model_name, model_path=self.model_root,
-            tokenizer_path=engine_config.tokenizer or self.model_root, block_size=engine_config.block_size,
+            tokenizer_path=_tokenizer_root(engine_config, self.model_root), block_size=engine_config.block_size,
             max_num_seqs=engine_config.max_num_seqs, tensor_parallel_size=engine_config.tensor_parallel_size)
         self.throughput = router_info.ThroughputMeter()
         self._token_text: TokenText | None = None
@@ -97,6 +97,16 @@ def model_root(engine_config: EngineConfig) -> str:
         return str(engine_config.model_path.expanduser().resolve())
     except (KestrelError, OSError):
         return engine_config.model_name
+
+
+def _tokenizer_root(engine_config: EngineConfig, model_root: str) -> str:
+    """/model_info's tokenizer_path: --tokenizer's directory (a Hub id's snapshot), else the model's root."""
+    if engine_config.tokenizer is None:
+        return model_root
+    try:
+        return str(engine_config.tokenizer_path.expanduser().resolve())
+    except (KestrelError, OSError):
+        return engine_config.tokenizer
 
 
 def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> FastAPI:
