@@ -9,9 +9,14 @@ Each replica and the router is a `ServerProcess` (its own process group and log 
 /health, then the router's view — smg's /readiness counts healthy workers; a router without it is ready when its
 /v1/models answers. Stopping goes router first (no new requests reach a replica that is going away), then the
 replicas, each SIGTERM then SIGKILL after the grace period.
+
+Once everything is ready, a replica or router that dies is restarted (kestrel/bench/supervise.py); before that, a
+failure ends the launch (a replica that cannot start is a configuration to fix, not a crash to retry).
 """
 from __future__ import annotations
 
+import importlib.util
+import os
 import signal
 import socket
 import subprocess
@@ -24,8 +29,10 @@ from typing import TextIO
 
 import httpx
 
-from kestrel.bench.launch import LaunchConfig, LaunchExit, ServerProcess, wait_until_ready
+from kestrel.bench.launch import LaunchConfig, LaunchExit, ServerProcess, check_program, wait_until_ready
+from kestrel.bench.supervise import Member, RestartPolicy, Supervisor
 from kestrel.envs import child_environment
+from kestrel.errors import KestrelError
 
 ROUTERS = ("smg", "sglang-router", "none")
 
@@ -45,6 +52,8 @@ class ReplicaConfig:
     ready_timeout_s: float = 1800.0
     stall_timeout_s: float = 300.0
     grace_s: float = 10.0
+    restart: RestartPolicy = RestartPolicy()
+    router_metrics_port: int | None = None   # the router's Prometheus port; None: a free one
 
     @property
     def replica_urls(self) -> list[str]:
@@ -77,6 +86,46 @@ def free_port_block(n: int) -> int:
     raise RuntimeError("no block of free ports")
 
 
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nothing listens on now (the OS picks it; smg refuses port 0 itself)."""
+    with socket.socket() as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def port_in_use(host: str, port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _has_flag(args: tuple[str, ...], flag: str) -> bool:
+    return any(a == flag or a.startswith(flag + "=") for a in args)
+
+
+def check_startable(cfg: ReplicaConfig) -> None:
+    """Before starting anything: the server command and the router exist, and every port is free — one error
+    line each, not a traceback from the middle of a half-started fleet."""
+    check_program(cfg.serve_command[0])
+    module = {"smg": "smg", "sglang-router": "sglang_router"}.get(cfg.router)
+    if module and importlib.util.find_spec(module) is None:
+        package = "smg==1.13.0" if cfg.router == "smg" else "sglang-router"
+        raise KestrelError(f"--router {cfg.router} is not installed in {sys.executable}: pip install {package} "
+                           "(or --router none)")
+    ports = [(f"replica {i}", cfg.replica_port + i) for i in range(cfg.replicas)]
+    if cfg.router != "none":
+        ports.insert(0, ("the router (--port)", cfg.router_port))
+        if cfg.router_metrics_port is not None:
+            ports.append(("the router's metrics (--router-metrics-port)", cfg.router_metrics_port))
+    for what, port in ports:
+        if port_in_use(cfg.host, port):
+            raise KestrelError(f"port {port} for {what} is in use on {cfg.host}: pick another --port / "
+                               "--replica-port (replica i listens on --replica-port + i)")
+
+
 def replica_command(cfg: ReplicaConfig, index: int) -> tuple[tuple[str, ...], dict[str, str]]:
     """Replica `index`'s command line and extra environment (its GPUs)."""
     command = (*cfg.serve_command, "--host", cfg.host, "--port", str(cfg.replica_port + index))
@@ -87,16 +136,24 @@ def replica_command(cfg: ReplicaConfig, index: int) -> tuple[tuple[str, ...], di
     return command, {"CUDA_VISIBLE_DEVICES": gpus}
 
 
-def router_command(cfg: ReplicaConfig) -> tuple[str, ...]:
+def router_command(cfg: ReplicaConfig, metrics_port: int | None = None) -> tuple[str, ...]:
     """smg: `python -m smg launch`; sglang-router: `python -m sglang_router.launch_router` (the same flags). By
     module, not by the `smg` command: sglang-router installs an `smg` command of its own, which wins when it is
-    installed last."""
+    installed last.
+
+    Its Prometheus listener (both default to 0.0.0.0:29000, so a second launch on the host would fail) goes on
+    --host at `metrics_port`, unless --router-arg names its own."""
     if cfg.router == "smg":
         head: tuple[str, ...] = (sys.executable, "-m", "smg", "launch")
     else:
         head = (sys.executable, "-m", "sglang_router.launch_router")
+    metrics: tuple[str, ...] = ()
+    if metrics_port is not None and not _has_flag(cfg.router_args, "--prometheus-port"):
+        metrics = ("--prometheus-port", str(metrics_port))
+        if not _has_flag(cfg.router_args, "--prometheus-host"):
+            metrics += ("--prometheus-host", cfg.host)
     return (*head, "--host", cfg.host, "--port", str(cfg.router_port), "--worker-urls", *cfg.replica_urls,
-            "--policy", cfg.policy, *cfg.router_args)
+            "--policy", cfg.policy, *metrics, *cfg.router_args)
 
 
 def router_healthy_workers(router_url: str, timeout_s: float = 2.0) -> int | None:
@@ -129,16 +186,33 @@ class ReplicaSet:
         self.out = out or sys.stderr
         self.replicas: list[ServerProcess] = []
         self.router: ServerProcess | None = None
+        self.metrics_port: int | None = None   # the router's Prometheus port, kept across its restarts
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self._log = lambda name: str(Path(cfg.log_dir) / f"{name}-{stamp}.log")
 
+    def _start_replica(self, index: int, append: bool = False) -> ServerProcess:
+        command, env = replica_command(self.cfg, index)
+        process = ServerProcess(command, self._log(f"replica{index}"), echo=None, env=env, append=append)
+        if index < len(self.replicas):
+            self.replicas[index] = process
+        else:
+            self.replicas.append(process)
+        return process
+
+    def _start_router(self, append: bool = False) -> ServerProcess:
+        self.router = ServerProcess(router_command(self.cfg, self.metrics_port),
+                                    self._log(f"router-{self.cfg.router}"), echo=None, append=append)
+        return self.router
+
     def start(self) -> LaunchExit:
         cfg = self.cfg
+        check_startable(cfg)
         for i in range(cfg.replicas):
-            command, env = replica_command(cfg, i)
-            self.replicas.append(ServerProcess(command, self._log(f"replica{i}"), echo=None, env=env))
+            replica = self._start_replica(i)
+            env = replica_command(cfg, i)[1]
             gpus = f" on GPUs {env['CUDA_VISIBLE_DEVICES']}" if env else ""
-            print(f"[launch] replica {i}{gpus}: {' '.join(command)} (log: {self.replicas[-1].log_file})",
+            print(f"[launch] replica {i}{gpus} (pid {replica.pid}): {' '.join(replica.proc.args)} "
+                  f"(log: {replica.log_file})",
                   file=self.out)
         for i, (replica, url) in enumerate(zip(self.replicas, cfg.replica_urls)):
             outcome = wait_until_ready(replica, self._launch_config(url), self.out)
@@ -147,10 +221,20 @@ class ReplicaSet:
                 return outcome
         if cfg.router == "none":
             return LaunchExit.READY
-        command = router_command(cfg)
-        print(f"[launch] router: {' '.join(command)}", file=self.out)
-        self.router = ServerProcess(command, self._log(f"router-{cfg.router}"), echo=None)
+        self.metrics_port = cfg.router_metrics_port or free_port(cfg.host)
+        router = self._start_router()
+        print(f"[launch] router: {' '.join(router.proc.args)}", file=self.out)
         return self.wait_router(cfg.replicas)
+
+    def members(self) -> list[Member]:
+        """What a Supervisor watches: each replica and the router, each restartable in place."""
+        found = [Member(f"replica {i}", url, start=lambda i=i: self._start_replica(i, append=True),
+                        get=lambda i=i: self.replicas[i])
+                 for i, url in enumerate(self.cfg.replica_urls)]
+        if self.router is not None:
+            found.append(Member("the router", self.cfg.router_url, start=lambda: self._start_router(append=True),
+                                get=lambda: self.router, is_replica=False))
+        return found
 
     def wait_router(self, healthy: int, timeout_s: float | None = None) -> LaunchExit:
         """Wait until the router routes to `healthy` replicas (its own health checks decide)."""
@@ -192,11 +276,12 @@ class ReplicaSet:
 
     def restart_replica(self, index: int) -> LaunchExit:
         """Start replica `index` again on its port (after `stop_replica`) and wait for its /health."""
-        command, env = replica_command(self.cfg, index)
-        self.replicas[index] = ServerProcess(command, self._log(f"replica{index}-restart"), echo=None, env=env)
+        self._start_replica(index, append=True)
         return wait_until_ready(self.replicas[index], self._launch_config(self.cfg.replica_urls[index]), self.out)
 
     def stop(self) -> None:
+        if self.router is None and not self.replicas:
+            return   # nothing was started (e.g. check_startable refused)
         if self.router is not None:
             self.router.stop(self.cfg.grace_s)
         for replica in self.replicas:
@@ -214,15 +299,17 @@ class ReplicaSet:
         self.stop()
 
 
-def launch_replicas(cfg: ReplicaConfig, then: str | None, out: TextIO | None = None) -> LaunchExit:
-    """`kestrel launch --replicas N`: start everything, run `then` against the router (else serve until Ctrl-C
-    / SIGTERM or until something exits), and always stop everything."""
+def launch_replicas(cfg: ReplicaConfig, then: str | None, out: TextIO | None = None,
+                    tick_s: float = 0.25) -> LaunchExit:
+    """`kestrel launch --replicas N`: start everything, run `then` against the router (else serve until Ctrl-C /
+    SIGTERM), restarting whatever dies meanwhile; end when every replica keeps dying; always stop everything."""
     from kestrel.bench.launch import _raise_terminated, _Terminated
 
     out = out or sys.stderr
     replica_set = ReplicaSet(cfg, out)
     in_main = threading.current_thread() is threading.main_thread()
     previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main else None
+    then_proc: subprocess.Popen | None = None
     try:
         outcome = replica_set.start()
         if outcome is not LaunchExit.READY:
@@ -232,17 +319,28 @@ def launch_replicas(cfg: ReplicaConfig, then: str | None, out: TextIO | None = N
                                                                           ",".join(cfg.replica_urls))
             print(f"[launch] running: {command}", file=out)
             out.flush()
-            code = subprocess.call(command, shell=True, env=child_environment(KESTREL_BASE_URL=replica_set.url))
-            print(f"[launch] --then exited with code {code}", file=out)
-            return LaunchExit.READY if code == 0 else LaunchExit.THEN_FAILED
-        while (gone := replica_set.exited()) is None:   # serve in the foreground
-            time.sleep(0.5)
-        print(f"[launch] {gone} exited", file=out)
-        return LaunchExit.CRASHED
+            then_proc = subprocess.Popen(command, shell=True, start_new_session=True,
+                                         env=child_environment(KESTREL_BASE_URL=replica_set.url))
+        else:
+            print(f"[launch] serving at {replica_set.url} until Ctrl-C or SIGTERM; a replica that dies is "
+                  f"restarted (gives up after {cfg.restart.max_restarts} restart(s) of every replica within "
+                  f"{cfg.restart.window_s:g} s)", file=out)
+            out.flush()
+        supervisor = Supervisor(replica_set.members(), cfg.restart, out, cfg.ready_timeout_s, cfg.grace_s)
+        while True:
+            if then_proc is not None and (code := then_proc.poll()) is not None:
+                print(f"[launch] --then exited with code {code}", file=out)
+                return LaunchExit.READY if code == 0 else LaunchExit.THEN_FAILED
+            if (outcome := supervisor.tick()) is not None:
+                return outcome
+            time.sleep(tick_s)
     except (KeyboardInterrupt, _Terminated):
         print("[launch] interrupted: stopping the router and the replicas", file=out)
         return LaunchExit.READY
     finally:
+        if then_proc is not None and then_proc.poll() is None:
+            os.killpg(then_proc.pid, signal.SIGTERM)
+            then_proc.wait()
         replica_set.stop()
         if in_main:
             signal.signal(signal.SIGTERM, previous)
