@@ -178,6 +178,44 @@ def router_healthy_workers(router_url: str, timeout_s: float = 2.0) -> int | Non
         return None
 
 
+def router_api_key(router_args: tuple[str, ...]) -> str | None:
+    """The router's --api-key among --router-arg values, which its control plane (/workers) asks for too."""
+    for i, arg in enumerate(router_args):
+        if arg == "--api-key" and i + 1 < len(router_args):
+            return router_args[i + 1]
+        if arg.startswith("--api-key="):
+            return arg.split("=", 1)[1]
+    return None
+
+
+def reregister_worker(router_url: str, worker_url: str, api_key: str | None = None,
+                      timeout_s: float = 30.0) -> str | None:
+    """Register `worker_url` with smg afresh: DELETE /workers/{id} (queued; wait until it is gone), then POST
+    /workers — a new worker entry, its circuit breaker closed and its health fresh. Returns an error, or None."""
+    base = router_url.rstrip("/")
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    deadline = time.monotonic() + timeout_s
+    try:
+        with httpx.Client(timeout=10, headers=headers) as client:
+            while True:
+                resp = client.get(base + "/workers")
+                resp.raise_for_status()
+                ids = [w["id"] for w in resp.json().get("workers", []) if w.get("url") == worker_url]
+                if not ids:
+                    break
+                for worker_id in ids:
+                    client.delete(f"{base}/workers/{worker_id}")
+                if time.monotonic() > deadline:
+                    return f"smg still lists {worker_url} {timeout_s:g} s after DELETE /workers"
+                time.sleep(0.2)
+            resp = client.post(base + "/workers", json={"url": worker_url})
+            if resp.status_code >= 400:
+                return f"POST /workers answered {resp.status_code}: {resp.text[:200]}"
+    except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
+        return f"{type(exc).__name__}: {exc}"
+    return None
+
+
 class ReplicaSet:
     """Start with `start()` (returns a LaunchExit), stop with `stop()`; also a context manager."""
 
@@ -228,8 +266,13 @@ class ReplicaSet:
 
     def members(self) -> list[Member]:
         """What a Supervisor watches: each replica and the router, each restartable in place."""
+        # smg: a replica back from the dead is registered afresh (supervise.py says why); sglang-router has another
+        # worker API (not exercised here): its own health checks have to take the replica back
+        key = router_api_key(self.cfg.router_args)
         found = [Member(f"replica {i}", url, start=lambda i=i: self._start_replica(i, append=True),
-                        get=lambda i=i: self.replicas[i])
+                        get=lambda i=i: self.replicas[i],
+                        on_back=(lambda url=url: reregister_worker(self.cfg.router_url, url, key))
+                        if self.router is not None and self.cfg.router == "smg" else None)
                  for i, url in enumerate(self.cfg.replica_urls)]
         if self.router is not None:
             found.append(Member("the router", self.cfg.router_url, start=lambda: self._start_router(append=True),

@@ -5,9 +5,10 @@ the others keep serving meanwhile; the launch gives up only when every replica (
                                                                                   │
                                     /health 200 ◄── poll, ready timeout counts as a death
 
-smg routes to a fixed `--worker-urls` list and never forgets a worker: its health checks and request retries route
-around the dead one, and the restarted replica, back on the same port, is routed to again once it answers. So a
-restart needs no re-registration with the router.
+smg routes around a dead worker at once (a refused connection is retried on another worker), but the failures open
+that worker's circuit breaker, and with its default 60 s health checks it would not notice the worker return for
+a minute or more. So a replica that is back is registered with the router afresh (`on_back`: smg's worker API,
+DELETE then POST /workers), which routes to it at once.
 
 Backoff: the n-th death within `window_s` waits backoff_s x 2^(n-1), capped at backoff_max_s; deaths older than the
 window are forgotten, so a replica that served for a while restarts after backoff_s again.
@@ -55,6 +56,7 @@ class Member:
     start: Callable[[], ServerProcess]          # starts it again (its log appended)
     get: Callable[[], ServerProcess]            # the current process
     is_replica: bool = True
+    on_back: Callable[[], str | None] | None = None   # once it is back: tell the router; returns an error or None
     deaths: collections.deque = field(default_factory=collections.deque)   # monotonic times
     restarts: int = 0
     restart_at: float | None = None             # a restart is due at this time
@@ -116,6 +118,10 @@ class Supervisor:
                 m.starting_since, m.up_since = None, now
                 self._say(m, f"back at {m.url} (restart {m.restarts}, ready after "
                              f"{now - (m.deaths[-1] if m.deaths else now):.1f} s since it died)")
+                if m.on_back is not None:
+                    error = m.on_back()
+                    self._say(m, f"could not register it with the router again: {error}" if error else
+                              "registered with the router again")
             elif now - m.starting_since > self.ready_timeout_s:
                 self._died(m, now, f"not ready {now - m.starting_since:.0f} s after its restart (--ready-timeout)")
         if m.restart_at is not None and now >= m.restart_at:
