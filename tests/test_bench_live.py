@@ -90,5 +90,5 @@ def test_progress_of_a_concurrent_run_has_no_http_log_lines_and_uses_the_launch_
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "httpx" not in proc.stderr and "HTTP Request" not in proc.stderr, proc.stderr
-    assert "[c=3] 6/6 finished, elapsed " in proc.stderr
+    assert "[c=3] 6/6 finished, 18/18 tokens, elapsed " in proc.stderr   # 3 tokens each, streamed
     assert "c=3" in proc.stdout and "cache hit" in proc.stdout

@@ -181,6 +181,7 @@ def test_the_launch_gives_up_when_every_replica_keeps_dying(tmp_path, capsys):
     assert "restart 1 in 1 s" in err and "restart 2 in 2 s" in err
 
 
+@pytest.mark.slow
 def test_two_launches_on_one_host_both_serve(tmp_path):
     """Two `kestrel launch --replicas 2` with smg at once: the routers' metrics ports are chosen free (smg's
     default 29000 would make the second router fail), so both serve; no httpx INFO line while they wait."""
