@@ -1,6 +1,7 @@
 """`kestrel launch --replicas 2 -- kestrel serve` as a user runs it (a subprocess, the real smg router, two real
-`kestrel serve` of the default model): SIGKILL one replica, and the router keeps answering, the launcher restarts
-the replica on its port, the router routes to it again, and SIGTERM stops everything with exit 0.
+`kestrel serve` of the default model): a request without `model` is served through the router; SIGKILL one
+replica, and the router keeps answering, the launcher restarts the replica on its port, the router routes to it
+again, and SIGTERM stops everything with exit 0.
 
 Skipped, with the reason, where smg is not installed or its binary does not run here."""
 from __future__ import annotations
@@ -76,6 +77,12 @@ def complete(url: str, prompt: str, timeout_s: float, **extra) -> httpx.Response
 
 
 def test_a_killed_replica_is_restarted_while_the_router_keeps_answering(launch):
+    # first, as against `kestrel serve`: a request that names no model is served (smg alone answers 400)
+    done = complete(launch.router, "No model named", timeout_s=60)
+    assert done.status_code == 200 and done.json()["model"] == MODEL, done.text
+    chat = httpx.post(launch.router + "/v1/chat/completions", timeout=60,
+                      json={"messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2})
+    assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"], chat.text
     pid = int(launch.wait_for(r"replica 1 \(pid (\d+)\)", 1).group(1))
     os.kill(pid, signal.SIGKILL)
     killed_at = time.monotonic()

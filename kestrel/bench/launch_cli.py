@@ -50,6 +50,10 @@ def add_parser(subparsers) -> None:
     rep.add_argument("--router-metrics-port", type=int, default=None,
                      help="the router's Prometheus /metrics port, on --host (default: a free port; smg's own default "
                      "29000 would clash with a second launch on the host)")
+    rep.add_argument("--fill-model", action=argparse.BooleanOptionalAction, default=True,
+                     help="a request without `model` gets the served model's name, as `kestrel serve` treats it "
+                     "(smg refuses such a request): a byte-level relay on --port in front of the router, which "
+                     "then listens on a free port; --no-fill-model puts the router itself on --port")
     rep.add_argument("--max-restarts", type=int, default=5,
                      help="a replica (or the router) that dies is restarted after 1 s, 2 s, 4 s, ... (at most "
                      "--restart-backoff-max); the launch ends (exit 3) once every replica, or the router, died more "
@@ -114,7 +118,8 @@ def run(args: argparse.Namespace) -> int:
                             gpus_per_replica=args.gpus_per_replica, host=args.host,
                             log_dir=str(Path(args.log_file).parent) if args.log_file else "logs",
                             ready_timeout_s=args.ready_timeout, stall_timeout_s=args.stall_timeout,
-                            grace_s=args.grace, restart=restart, router_metrics_port=args.router_metrics_port)
+                            grace_s=args.grace, restart=restart, router_metrics_port=args.router_metrics_port,
+                            fill_model=args.fill_model)
         return int(launch_replicas(cfg, args.then))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     cfg = LaunchConfig(command=tuple(command), base_url=f"http://{args.host}:{port}",

@@ -29,6 +29,7 @@ from typing import TextIO
 
 import httpx
 
+from kestrel.bench.front import ModelFillingRelay
 from kestrel.bench.launch import LaunchConfig, LaunchExit, ServerProcess, check_program, wait_until_ready
 from kestrel.bench.supervise import Member, RestartPolicy, Supervisor
 from kestrel.envs import child_environment
@@ -54,6 +55,7 @@ class ReplicaConfig:
     grace_s: float = 10.0
     restart: RestartPolicy = RestartPolicy()
     router_metrics_port: int | None = None   # the router's Prometheus port; None: a free one
+    fill_model: bool = True            # a relay on router_port gives model-less requests the served name (front.py)
 
     @property
     def replica_urls(self) -> list[str]:
@@ -136,13 +138,14 @@ def replica_command(cfg: ReplicaConfig, index: int) -> tuple[tuple[str, ...], di
     return command, {"CUDA_VISIBLE_DEVICES": gpus}
 
 
-def router_command(cfg: ReplicaConfig, metrics_port: int | None = None) -> tuple[str, ...]:
+def router_command(cfg: ReplicaConfig, metrics_port: int | None = None, port: int | None = None) -> tuple[str, ...]:
     """smg: `python -m smg launch`; sglang-router: `python -m sglang_router.launch_router` (the same flags). By
     module, not by the `smg` command: sglang-router installs an `smg` command of its own, which wins when it is
     installed last.
 
     Its Prometheus listener (both default to 0.0.0.0:29000, so a second launch on the host would fail) goes on
-    --host at `metrics_port`, unless --router-arg names its own."""
+    --host at `metrics_port`, unless --router-arg names its own. `port`: where it listens, when not on
+    cfg.router_port (behind the model-filling relay)."""
     if cfg.router == "smg":
         head: tuple[str, ...] = (sys.executable, "-m", "smg", "launch")
     else:
@@ -152,8 +155,17 @@ def router_command(cfg: ReplicaConfig, metrics_port: int | None = None) -> tuple
         metrics = ("--prometheus-port", str(metrics_port))
         if not _has_flag(cfg.router_args, "--prometheus-host"):
             metrics += ("--prometheus-host", cfg.host)
-    return (*head, "--host", cfg.host, "--port", str(cfg.router_port), "--worker-urls", *cfg.replica_urls,
+    return (*head, "--host", cfg.host, "--port", str(port or cfg.router_port), "--worker-urls", *cfg.replica_urls,
             "--policy", cfg.policy, *metrics, *cfg.router_args)
+
+
+def served_model(replica_url: str, timeout_s: float = 10.0) -> str | None:
+    """The model id a replica serves (its /v1/models), None when it names none."""
+    try:
+        data = httpx.get(replica_url.rstrip("/") + "/v1/models", timeout=timeout_s).json().get("data")
+        return data[0]["id"] if data and isinstance(data[0], dict) and data[0].get("id") else None
+    except (httpx.HTTPError, ValueError, AttributeError, KeyError, TypeError):
+        return None
 
 
 def router_healthy_workers(router_url: str, timeout_s: float = 2.0) -> int | None:
@@ -225,6 +237,8 @@ class ReplicaSet:
         self.replicas: list[ServerProcess] = []
         self.router: ServerProcess | None = None
         self.metrics_port: int | None = None   # the router's Prometheus port, kept across its restarts
+        self.router_listen_port = cfg.router_port   # another (free) port when the relay holds router_port
+        self.relay: ModelFillingRelay | None = None
         stamp = time.strftime("%Y%m%d-%H%M%S")
         self._log = lambda name: str(Path(cfg.log_dir) / f"{name}-{stamp}.log")
 
@@ -238,7 +252,7 @@ class ReplicaSet:
         return process
 
     def _start_router(self, append: bool = False) -> ServerProcess:
-        self.router = ServerProcess(router_command(self.cfg, self.metrics_port),
+        self.router = ServerProcess(router_command(self.cfg, self.metrics_port, self.router_listen_port),
                                     self._log(f"router-{self.cfg.router}"), echo=None, append=append)
         return self.router
 
@@ -260,9 +274,28 @@ class ReplicaSet:
         if cfg.router == "none":
             return LaunchExit.READY
         self.metrics_port = cfg.router_metrics_port or free_port(cfg.host)
+        model = served_model(cfg.replica_urls[0]) if cfg.fill_model else None
+        if model is not None:
+            self.router_listen_port = free_port(cfg.host)
         router = self._start_router()
         print(f"[launch] router: {' '.join(router.proc.args)}", file=self.out)
-        return self.wait_router(cfg.replicas)
+        outcome = self.wait_router(cfg.replicas)
+        if outcome is LaunchExit.READY and model is not None:
+            self.relay = ModelFillingRelay(cfg.host, cfg.router_port, cfg.host, self.router_listen_port, model)
+            try:
+                self.relay.start()
+            except OSError as exc:   # --port taken since check_startable looked
+                print(f"[launch] cannot listen on {cfg.router_url}: {exc}", file=self.out)
+                return LaunchExit.CRASHED
+            print(f"[launch] {cfg.router_url} relays to the router at {self.router_internal_url}, naming "
+                  f"{model!r} in requests that name no model (smg requires one; --no-fill-model: the router "
+                  "itself on --port)", file=self.out)
+        return outcome
+
+    @property
+    def router_internal_url(self) -> str:
+        """The router itself (behind the relay, when there is one)."""
+        return f"http://{self.cfg.host}:{self.router_listen_port}"
 
     def members(self) -> list[Member]:
         """What a Supervisor watches: each replica and the router, each restartable in place."""
@@ -271,11 +304,11 @@ class ReplicaSet:
         key = router_api_key(self.cfg.router_args)
         found = [Member(f"replica {i}", url, start=lambda i=i: self._start_replica(i, append=True),
                         get=lambda i=i: self.replicas[i],
-                        on_back=(lambda url=url: reregister_worker(self.cfg.router_url, url, key))
+                        on_back=(lambda url=url: reregister_worker(self.router_internal_url, url, key))
                         if self.router is not None and self.cfg.router == "smg" else None)
                  for i, url in enumerate(self.cfg.replica_urls)]
         if self.router is not None:
-            found.append(Member("the router", self.cfg.router_url, start=lambda: self._start_router(append=True),
+            found.append(Member("the router", self.router_internal_url, start=lambda: self._start_router(append=True),
                                 get=lambda: self.router, is_replica=False))
         return found
 
@@ -290,7 +323,7 @@ class ReplicaSet:
                 for line in list(self.router.last_lines)[-15:]:
                     print(line, file=self.out)
                 return LaunchExit.CRASHED
-            if router_healthy_workers(self.cfg.router_url) == healthy:
+            if router_healthy_workers(self.router_internal_url) == healthy:
                 print(f"[launch] router ready at {self.cfg.router_url} with {healthy} replica(s)", file=self.out)
                 return LaunchExit.READY
             time.sleep(0.25)
@@ -325,6 +358,8 @@ class ReplicaSet:
     def stop(self) -> None:
         if self.router is None and not self.replicas:
             return   # nothing was started (e.g. check_startable refused)
+        if self.relay is not None:
+            self.relay.stop()
         if self.router is not None:
             self.router.stop(self.cfg.grace_s)
         for replica in self.replicas:
