@@ -206,3 +206,46 @@ def test_two_launches_on_one_host_both_serve(tmp_path):
         assert proc.returncode == 0, err
         assert "router ready" in err and "--prometheus-port" in err
         assert "HTTP Request:" not in err
+
+
+@pytest.mark.slow
+def test_a_killed_router_is_restarted_behind_the_same_port(tmp_path):
+    """SIGKILL smg: the launcher starts it again on its port with the same replicas; the launch's --port (the
+    relay) answers again without the client changing anything."""
+    import re
+    import signal
+    import time
+
+    import httpx
+
+    from tests.test_router_replicas import smg_problem
+
+    if problem := smg_problem():
+        pytest.skip(problem)
+    script = tmp_path / "replica.py"
+    script.write_text(REPLICA)
+    base = free_base(3)
+    err_path = tmp_path / "launch.err"
+    proc = subprocess.Popen([sys.executable, "-m", "kestrel.cli", "launch", "--replicas", "2", "--port", str(base),
+                             "--log-file", str(tmp_path / "logs" / "x.log"), "--grace", "2", "--",
+                             sys.executable, str(script), str(tmp_path)],
+                            stdout=subprocess.DEVNULL, stderr=open(err_path, "w"))
+
+    def wait_for(pattern: str, timeout_s: float = 60) -> re.Match:
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(pattern, err_path.read_text())):
+            assert proc.poll() is None and time.monotonic() < deadline, err_path.read_text()
+            time.sleep(0.2)
+        return found
+
+    try:
+        router_pid = int(wait_for(r"\[launch\] router \(pid (\d+)\)").group(1))
+        wait_for(r"relays to the router")
+        assert httpx.get(f"http://127.0.0.1:{base}/v1/models", timeout=10).json()["data"]
+        os.kill(router_pid, signal.SIGKILL)
+        wait_for(r"the router: died \(killed by SIGKILL\)")
+        wait_for(r"the router: back at")
+        assert httpx.get(f"http://127.0.0.1:{base}/v1/models", timeout=10).json()["data"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 0, err_path.read_text()

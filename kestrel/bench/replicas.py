@@ -278,7 +278,7 @@ class ReplicaSet:
         if model is not None:
             self.router_listen_port = free_port(cfg.host)
         router = self._start_router()
-        print(f"[launch] router: {' '.join(router.proc.args)}", file=self.out)
+        print(f"[launch] router (pid {router.pid}): {' '.join(router.proc.args)}", file=self.out)
         outcome = self.wait_router(cfg.replicas)
         if outcome is LaunchExit.READY and model is not None:
             self.relay = ModelFillingRelay(cfg.host, cfg.router_port, cfg.host, self.router_listen_port, model)
