@@ -44,6 +44,8 @@ class Echo(BaseHTTPRequestHandler):
                 time.sleep(0.5)
             self.wfile.write(b"0\r\n\r\n")
             return
+        if self.path == "/then-close":   # as a router closing an idle keep-alive connection, without notice
+            self.close_connection = True
         self._reply(json.dumps({"path": self.path}).encode())
 
     def do_POST(self) -> None:
@@ -99,6 +101,24 @@ def test_keep_alive_chunked_and_expect_100_continue(relay):
             answer += sock.recv(4096)
     echoed = json.loads(answer.split(b"\r\n\r\n", 1)[1])
     assert json.loads(echoed["body"])["model"] == "kestrel-tiny" and echoed["expect"] is None
+
+
+def test_a_connection_the_router_closes_is_closed_to_the_client_too(relay):
+    with httpx.Client(base_url=relay, timeout=10) as client:
+        assert client.get("/then-close").status_code == 200
+        time.sleep(0.5)   # the relay noticed, and closed its side: the client's next request takes a new connection
+        assert json.loads(client.post("/v1/completions", json={"prompt": "again"}).json()["body"])["model"]
+
+
+def test_no_router_behind_is_a_502_in_the_openai_error_format():
+    port = free_port()
+    front = ModelFillingRelay("127.0.0.1", port, "127.0.0.1", free_port(), "m")
+    front.start()
+    try:
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", json={"prompt": "x"}, timeout=10)
+    finally:
+        front.stop()
+    assert resp.status_code == 502 and resp.json()["error"]["type"] == "server_error"
 
 
 def test_a_streamed_response_arrives_as_it_is_sent(relay):

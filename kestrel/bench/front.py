@@ -150,13 +150,20 @@ class ModelFillingRelay:
         try:
             up_reader, up_writer = await asyncio.open_connection(*self.upstream)
         except OSError:
-            _answer(writer, "502 Bad Gateway", "the router is not answering")
+            _answer(writer, "502 Bad Gateway", "the router is not answering", "server_error")
             return
         responses = asyncio.create_task(_copy(up_reader, writer))
         try:
-            while not responses.done():
+            while True:
+                # the next request, unless the router closes the connection first (an idle keep-alive timeout):
+                # then this one closes too, so that the client reconnects instead of writing into the void
+                read = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+                await asyncio.wait({read, responses}, return_when=asyncio.FIRST_COMPLETED)
+                if not read.done():
+                    read.cancel()
+                    return
                 try:
-                    head = await reader.readuntil(b"\r\n\r\n")
+                    head = read.result()
                 except asyncio.IncompleteReadError:
                     return   # the client closed the connection between requests
                 except asyncio.LimitOverrunError:
@@ -169,11 +176,10 @@ class ModelFillingRelay:
                 except _BadRequest as exc:
                     _answer(writer, exc.status, str(exc))
                     return
-            await responses
         finally:
             up_writer.close()
-            with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError):
-                await asyncio.wait_for(responses, timeout=None if responses.done() else 600)
+            with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError, asyncio.TimeoutError):
+                await asyncio.wait_for(responses, timeout=600)   # the last response, to its end
 
     async def _forward(self, head: bytes, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
                        up_writer: asyncio.StreamWriter) -> bool:
@@ -199,8 +205,9 @@ class ModelFillingRelay:
         return True
 
 
-def _answer(writer: asyncio.StreamWriter, status: str, message: str) -> None:
-    body = json.dumps({"error": {"message": message, "type": "invalid_request_error", "code": None,
+def _answer(writer: asyncio.StreamWriter, status: str, message: str,
+            kind: str = "invalid_request_error") -> None:
+    body = json.dumps({"error": {"message": message, "type": kind, "code": None,
                                  "param": None}}).encode()
     writer.write(f"HTTP/1.1 {status}\r\nContent-Type: application/json\r\nContent-Length: {len(body)}\r\n"
                  f"Connection: close\r\n\r\n".encode() + body)
