@@ -96,7 +96,10 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_in_use(host: str, port: int) -> bool:
+    """Something listens there. SO_REUSEADDR, as the servers themselves bind: a port that only has connections in
+    TIME_WAIT (a launch stopped a moment ago) is free to them, and so to this check."""
     with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
         except OSError:
