@@ -153,11 +153,14 @@ class ModelFillingRelay:
             _answer(writer, "502 Bad Gateway", "the router is not answering", "server_error")
             return
         responses = asyncio.create_task(_copy(up_reader, writer))
+        responses.add_done_callback(_settled)
+        read: asyncio.Future | None = None
         try:
             while True:
                 # the next request, unless the router closes the connection first (an idle keep-alive timeout):
                 # then this one closes too, so that the client reconnects instead of writing into the void
                 read = asyncio.ensure_future(reader.readuntil(b"\r\n\r\n"))
+                read.add_done_callback(_settled)
                 await asyncio.wait({read, responses}, return_when=asyncio.FIRST_COMPLETED)
                 if not read.done():
                     read.cancel()
@@ -177,6 +180,8 @@ class ModelFillingRelay:
                     _answer(writer, exc.status, str(exc))
                     return
         finally:
+            if read is not None and not read.done():
+                read.cancel()
             up_writer.close()
             with contextlib.suppress(asyncio.CancelledError, ConnectionError, OSError, asyncio.TimeoutError):
                 await asyncio.wait_for(responses, timeout=600)   # the last response, to its end
@@ -203,6 +208,13 @@ class ModelFillingRelay:
         up_writer.write(_build_head(method, target, headers, len(body)) + body)
         await up_writer.drain()
         return True
+
+
+def _settled(task: asyncio.Future) -> None:
+    """Mark a finished task's exception as seen: a connection that ends mid-read is not an error to log (at
+    garbage collection, as "Task exception was never retrieved")."""
+    if not task.cancelled():
+        task.exception()
 
 
 def _answer(writer: asyncio.StreamWriter, status: str, message: str,
