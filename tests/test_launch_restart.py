@@ -96,12 +96,13 @@ def test_a_killed_replica_is_restarted_while_the_router_keeps_answering(launch):
     assert answered >= 3
     launch.wait_for(r"replica 1: died \(killed by SIGKILL\).*restart 1 in 1 s", 5)
     launch.wait_for(r"replica 1: back at", timeout_s=180)
+    launch.wait_for(r"replica 1: registered with the router again", timeout_s=30)
     assert httpx.get(launch.replicas[1] + "/health", timeout=5).status_code == 200
     # the router routes to it again (round-robin: half of the requests), with no re-registration
     before = metric(launch.replicas[1], "kestrel:prompt_tokens_total")
     for i in range(6):
         assert complete(launch.router, f"Back again {i}", timeout_s=60, model=MODEL).status_code == 200
-    assert metric(launch.replicas[1], "kestrel:prompt_tokens_total") > before
+    assert metric(launch.replicas[1], "kestrel:prompt_tokens_total") > before, launch.err
     assert launch.stop() == 0   # SIGTERM: a clean stop of everything
     err = launch.err
     assert "stopped the router and 2 replica(s)" in err

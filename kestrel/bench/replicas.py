@@ -206,7 +206,8 @@ def router_api_key(router_args: tuple[str, ...]) -> str | None:
 def reregister_worker(router_url: str, worker_url: str, api_key: str | None = None,
                       timeout_s: float = 30.0) -> str | None:
     """Register `worker_url` with smg afresh: DELETE /workers/{id} (queued; wait until it is gone), then POST
-    /workers — a new worker entry, its circuit breaker closed and its health fresh. Returns an error, or None."""
+    /workers (queued too; wait until it is listed healthy) — a new worker entry, its circuit breaker closed and its
+    health fresh. Returns an error, or None."""
     base = router_url.rstrip("/")
     headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
     deadline = time.monotonic() + timeout_s
@@ -226,6 +227,13 @@ def reregister_worker(router_url: str, worker_url: str, api_key: str | None = No
             resp = client.post(base + "/workers", json={"url": worker_url})
             if resp.status_code >= 400:
                 return f"POST /workers answered {resp.status_code}: {resp.text[:200]}"
+            while True:   # the addition is queued too: done once smg lists the worker healthy
+                listed = client.get(base + "/workers").json().get("workers", [])
+                if any(w.get("url") == worker_url and w.get("is_healthy") for w in listed):
+                    return None
+                if time.monotonic() > deadline:
+                    return f"smg did not list {worker_url} healthy {timeout_s:g} s after POST /workers"
+                time.sleep(0.2)
     except (httpx.HTTPError, ValueError, KeyError, AttributeError) as exc:
         return f"{type(exc).__name__}: {exc}"
     return None
