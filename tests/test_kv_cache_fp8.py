@@ -219,11 +219,22 @@ def test_latent_attention_over_an_fp8_latent_cache_stays_within_the_bound(tmp_pa
         assert cache.dtype == FP8 and cache.shape[1] == 1, "one FP8 latent plane a layer"
         prompts = [[3, 14, 15, 92, 65, 35, 89, 79, 32, 38, 46, 26, 43], [27, 18, 28, 18, 28, 45]]
         worst = worst_relative_error(fp8, ref, prompts)   # prefill: the up-projected form
-        params = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
-        ours, want = fp8.generate([{"prompt_token_ids": p} for p in prompts], params), \
-            ref.generate([{"prompt_token_ids": p} for p in prompts], params)   # decode: the absorbed form
+        decode = max(decode_step_error(fp8, ref, ids) for ids in prompts)   # the absorbed form
     finally:
         ref.shutdown()
         fp8.shutdown()
-    assert worst <= LOGITS_BOUND, f"worst per-position relative logits error {worst:.3f}"
-    assert all(a.outputs[0].token_ids[0] == b.outputs[0].token_ids[0] for a, b in zip(ours, want))
+    assert worst <= LOGITS_BOUND, f"worst per-position relative logits error {worst:.3f} (prefill)"
+    assert decode <= LOGITS_BOUND, f"relative logits error {decode:.3f} (decode)"
+
+
+def decode_step_error(llm: LLM, ref: LLM, ids: list[int]) -> float:
+    """Prefill ids[:-1], then decode ids[-1] over the cache, in both engines: the decode logits' relative error."""
+    logits = []
+    for engine in (llm, ref):
+        runner = engine.engine.runner
+        table = list(range(-(-len(ids) // runner.block_size)))
+        runner.forward(build_forward_batch([ids[:-1]], [0], [table], runner.block_size))
+        logits.append(runner.forward(build_forward_batch([ids[-1:]], [len(ids) - 1], [table],
+                                                         runner.block_size)).logits)
+    got, want = logits
+    return ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
