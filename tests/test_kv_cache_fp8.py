@@ -27,6 +27,7 @@ from kestrel.batch import build_forward_batch
 from kestrel.config import DEFAULT_MODEL_DIR, EngineConfig, add_engine_args
 from kestrel.errors import KestrelError
 from kestrel.sampling_params import SamplingParams
+from tests.test_speculative import drafter_dir  # noqa: F401 - the shipped drafter, a fixture
 
 FP8 = torch.float8_e4m3fn
 LOGITS_BOUND = 0.15
@@ -238,3 +239,23 @@ def decode_step_error(llm: LLM, ref: LLM, ids: list[int]) -> float:
                                                          runner.block_size)).logits)
     got, want = logits
     return ((got - want).norm(dim=-1) / want.norm(dim=-1)).max().item()
+
+
+# ------------------------------------------------------------------------------------------------ speculation
+
+def test_tree_verify_over_an_fp8_cache_moves_the_accepted_kv_bytes(drafter_dir):
+    """A runner-up accepted in a tree step has its K/V moved to its path position (engine/speculation.py, as bytes
+    for FP8): greedy output stays that of plain decoding over the same FP8 cache."""
+    from tests.test_spec_tree import PROMPTS as SPEC_PROMPTS, K, RunnerUpOracle, greedy, token_ids, tree_config
+
+    prompts = SPEC_PROMPTS[:4]
+    params = greedy(1 + 3 * (K + 1))
+    plain = LLM(device="cpu", kv_cache_dtype="fp8").generate(prompts, params)
+    llm = LLM(device="cpu", kv_cache_dtype="fp8", speculative_config=tree_config(drafter_dir))
+    try:
+        llm.engine.spec.proposer = RunnerUpOracle([o.prompt_token_ids + o.outputs[0].token_ids for o in plain], 1,
+                                                  llm.engine.model_config.vocab_size)
+        assert token_ids(llm.generate(prompts, params)) == token_ids(plain)
+        assert llm.engine.spec.counters.num_drafts > 0
+    finally:
+        llm.shutdown()
