@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 from kestrel.forward.compile_ahead import WORKER_LAYERS, Job
-from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, warm_up
+from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, resolve_kv_dtype, warm_up
 from kestrel.forward.decode_graphs import DecodeGraphs
 from kestrel.forward.prefill_graphs import PrefillGraphs
 from kestrel.forward.runner import ModelRunner
@@ -30,7 +30,8 @@ def run_job(job: Job) -> None:
     dtype = resolve_dtype(config.dtype, cfg, device)
     model, backend, _ = build_model(config, cfg, device, dtype)
     model.eval()
-    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
+    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size,
+                         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype))
     max_blocks = -(-job.max_model_len // config.block_size)
     cuda = device.type == "cuda"
     if job.prefill:
