@@ -35,6 +35,9 @@ log "tests exit $? · $(tail -1 $R/tests.log)"
 log "fp8_gemm_bench"
 timeout $(left 80) python3 -m benchmarks.fp8_gemm_bench --budget-s ${SWEEP_S:-30} --out $R/fp8_gemm.json > $R/fp8_gemm.log 2>&1
 log "fp8_gemm_bench exit $?"
+log "GPU test: FP8 KV cache (issue 53)"
+timeout $(left 60) python3 -m pytest -q tests/gpu/test_kv_cache_fp8_gpu.py > $R/tests_kv_fp8.log 2>&1
+log "kv fp8 tests exit $? · $(tail -1 $R/tests_kv_fp8.log)"
 step_profile w8a8 w8a8 --fp8-block
 step_profile bf16 w8a8
 first_burst bf16
