@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from kestrel.forward.compile_ahead import WORKER_LAYERS, Job
-from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, resolve_kv_dtype, warm_up
+from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, resolve_kv_dtype
+from kestrel.forward.warm_up import warm_up
 from kestrel.forward.decode_graphs import DecodeGraphs
 from kestrel.forward.prefill_graphs import PrefillGraphs
 from kestrel.forward.runner import ModelRunner
@@ -40,7 +41,7 @@ def run_job(job: Job) -> None:
         runner.allocate_kv_cache(2)
         if not config.disable_prefill_cuda_graph:
             PrefillGraphs(runner, max_blocks, config.max_num_batched_tokens).capture(dry_run=not cuda)
-        warm_up(runner, config.block_size)
+        warm_up(runner, config.block_size, config.max_num_batched_tokens, job.max_model_len)
         runner.free_kv_cache()
     if job.buckets:
         runner.allocate_kv_cache(2)

@@ -94,6 +94,11 @@ class ModelRunner:
         """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""
         return self.graphs is not None and self.graphs.can_run(num_seqs)
 
+    def replays(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether execute(chunks) replays a captured graph (the eager road otherwise)."""
+        return any(g is not None and g.can_run_chunks(chunks)
+                   for g in (self.graphs, self.verify_graphs, self.prefill_graphs))
+
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:
         """One step of the engine, on the road its shape allows. A decode-graph launch is queued, not waited for:

@@ -23,6 +23,7 @@ from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.compile_ahead import start_compile_ahead
 from kestrel.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
+from kestrel.forward.warm_up import warm_up
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
 from kestrel.kernels.kv_store import FP8_KV_DTYPE
@@ -185,7 +186,7 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                                                         spec.num_speculative_tokens, spec.topk, progress)
 
     progress.begin("warming_up")
-    warm_up(runner, config.block_size)
+    warm_up(runner, config.block_size, config.max_num_batched_tokens, max_model_len)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
@@ -303,11 +304,3 @@ def compile_backend_kernels(runner: ModelRunner, block_size: int) -> None:
             torch.cuda.synchronize(runner.device)
     finally:
         runner.free_kv_cache()
-
-
-def warm_up(runner: ModelRunner, block_size: int) -> None:
-    """One tiny prefill + decode so lazy initialisation (kernels, allocator) happens before the first request."""
-    batch = build_forward_batch([[0, 0]], [0], [[0]], block_size)
-    runner.forward(batch)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)
