@@ -103,9 +103,6 @@ class EngineConfig:
             self.dist_address   # fails here on a malformed address
         if self.dist_timeout <= 0:
             raise KestrelError(f"--dist-timeout {self.dist_timeout} is invalid: expected seconds > 0")
-        if tp > 1 and self.speculative is not None:
-            raise KestrelError("speculative decoding with --tensor-parallel-size > 1 is not supported yet: drop "
-                               "one of them")
 
     @property
     def dist_address(self) -> tuple[str, int] | None:

@@ -120,11 +120,10 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     drafter = None
     if spec is not None and spec.method == "eagle3":
         progress.begin("loading_drafter")
-        from kestrel.models.eagle3_loader import load_eagle3_drafter
-        drafter = load_eagle3_drafter(spec.model, cfg, model, device, dtype, ops)
-        runner.capture_hidden_layers = tuple(drafter.config.aux_layer_ids)   # before any graph is captured
-        logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s", spec.model,
-                    list(runner.capture_hidden_layers))
+        drafter, aux_layers = load_drafter(spec.model, cfg, model, device, dtype, ops, tp)
+        runner.capture_hidden_layers = aux_layers   # before any graph is captured
+        logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s%s", spec.model,
+                    list(aux_layers), "" if tp.size == 1 else " (drafts on rank 0)")
     if backend.compiles_at_first_use:
         progress.begin("compiling_kernels", unit="CPU s")
         with child_cpu_progress(progress):
@@ -178,6 +177,26 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
+
+
+def load_drafter(path: str, cfg: ModelConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 ops: LayerOps, tp: TPGroup = SINGLE) -> tuple[torch.nn.Module | None, tuple[int, ...]]:
+    """(the EAGLE-3 drafter, or None on ranks > 0; the target layers whose input hidden states it reads).
+
+    With tensor parallelism the drafter runs on rank 0 alone, whole (docs/speculative.md says why): its drafts
+    travel to the other ranks inside the verify step's chunks, as every step's tokens do. The other ranks only
+    capture the same hidden states (so every rank's graphs are alike) and take part in gathering the target's
+    embedding for a drafter that shares it: the target's table is split over the ranks and its lookup
+    all-reduces, which a module run on one rank cannot call."""
+    from kestrel.models.eagle3_loader import drafter_shares_embedding, eagle3_config, load_eagle3_drafter
+
+    aux_layers = tuple(eagle3_config(Path(path), cfg).aux_layer_ids)
+    embedding = None
+    if tp.size > 1 and drafter_shares_embedding(path):
+        embedding = model.embed_tokens.gathered()   # every rank: one all-gather
+    if not tp.is_driver:
+        return None, aux_layers
+    return load_eagle3_drafter(path, cfg, model, device, dtype, ops, target_embedding=embedding), aux_layers
 
 
 def latent_graph_config(config: EngineConfig, cfg: ModelConfig) -> EngineConfig:

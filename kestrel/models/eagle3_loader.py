@@ -156,8 +156,7 @@ def _check_tensors(index: _TensorIndex, cfg: Eagle3Config) -> None:
                              f"{list(expected)} = [hidden_size, 3 x target_hidden_size]")
 
 
-def _shared_embedding(cfg: Eagle3Config, target_model: nn.Module, model_dir: Path) -> nn.Module:
-    embedding = getattr(target_model, "embed_tokens", None)
+def _shared_embedding(cfg: Eagle3Config, embedding: nn.Module | None, model_dir: Path) -> nn.Module:
     if embedding is None:
         raise ModelLoadError(f"EAGLE-3 drafter in {model_dir} has no embed_tokens and the target model has none "
                              "to share")
@@ -198,9 +197,20 @@ def _vocab_maps(index: _TensorIndex, cfg: Eagle3Config) -> tuple[torch.Tensor, t
     return d2t, t2d
 
 
+def drafter_shares_embedding(path: str | Path) -> bool:
+    """Whether the drafter checkpoint lacks embed_tokens, so it reads the target's embedding."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"EAGLE-3 drafter directory {model_dir} does not exist")
+    return "embed_tokens.weight" not in _TensorIndex(model_dir)
+
+
 def load_eagle3_drafter(path: str | Path, target_config: ModelConfig, target_model: nn.Module,
-                        device: torch.device | str, dtype: torch.dtype, ops: LayerOps = TORCH_OPS) -> Eagle3Drafter:
-    """A drafter checkpoint directory, validated against its target, on `device` in `dtype`."""
+                        device: torch.device | str, dtype: torch.dtype, ops: LayerOps = TORCH_OPS,
+                        target_embedding: nn.Module | None = None) -> Eagle3Drafter:
+    """A drafter checkpoint directory, validated against its target, on `device` in `dtype`. target_embedding:
+    the table a drafter without its own embedding shares (default: the target model's embed_tokens; with tensor
+    parallelism the whole table gathered on the drafting rank, VocabEmbedding.gathered)."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ModelLoadError(f"EAGLE-3 drafter directory {model_dir} does not exist")
@@ -208,7 +218,10 @@ def load_eagle3_drafter(path: str | Path, target_config: ModelConfig, target_mod
     index = _TensorIndex(model_dir)
     _check_tensors(index, cfg)
     cfg = replace(cfg, has_embedding="embed_tokens.weight" in index, fc_bias="fc.bias" in index)
-    shared = None if cfg.has_embedding else _shared_embedding(cfg, target_model, model_dir)
+    shared = None
+    if not cfg.has_embedding:
+        embedding = target_embedding if target_embedding is not None else getattr(target_model, "embed_tokens", None)
+        shared = _shared_embedding(cfg, embedding, model_dir)
     d2t, t2d = _vocab_maps(index, cfg)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
