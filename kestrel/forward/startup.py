@@ -167,6 +167,8 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                 shape = draft_tree(spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes)
                 tree = (shape.depths, shape.mask())
             capture_verify_graphs(runner, config, max_model_len, spec.num_draft_nodes + 1, progress, tree)
+            if tp.min_int(runner.verify_graphs is not None) == 0:   # a rank verifies eagerly: every rank does
+                runner.verify_graphs = None
             if drafter is not None and runner.verify_graphs is not None:
                 from kestrel.forward.drafter_graphs import capture_drafter_graphs
                 drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
