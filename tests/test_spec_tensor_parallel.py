@@ -35,13 +35,19 @@ def tp_llm(speculative_config: dict, **kw) -> LLM:
     return llm
 
 
+@pytest.mark.slow   # starts a rank's process
 @pytest.mark.parametrize("method", list(CONFIGS))
 def test_greedy_at_tp2_with_speculation_is_token_identical_to_one_rank(method, reference):
+    """Also the same drafts as one rank drafts: the same accepted counts at every position (the drafter on rank 0
+    reads the same hidden states and the whole embedding table, gathered from the ranks' shards)."""
+    one_rank = LLM(device="cpu", speculative_config=CONFIGS[method])
+    check_identical(one_rank, PROMPTS, mixed_params(len(PROMPTS)), reference)
     llm = tp_llm(CONFIGS[method])
     try:
         check_identical(llm, PROMPTS, mixed_params(len(PROMPTS)), reference)
         c = llm.engine.spec.counters
         assert c.num_accepted_tokens > 0, c   # accepted runs committed, not only rejections
+        assert c == one_rank.engine.spec.counters
     finally:
         llm.shutdown()
 

@@ -46,10 +46,10 @@ class VocabEmbedding(nn.Module):
         (an EAGLE-3 drafter that shares the target's embedding drafts on rank 0 only: docs/speculative.md)."""
         if self.tp.size == 1:
             return self
-        table = self.tp.all_gather_last_dim(self.weight.data.t().contiguous()).t()[:self.vocab_size]
+        table = self.tp.all_gather_rows(self.weight.data)[:self.vocab_size]   # the last shard's padding cut
         with torch.device("meta"):   # no table allocated only to be replaced
             full = VocabEmbedding(self.vocab_size, self.weight.shape[1])
-        full.weight = nn.Parameter(table.contiguous(), requires_grad=False)
+        full.weight = nn.Parameter(table, requires_grad=False)
         return full
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
