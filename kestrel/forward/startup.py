@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
