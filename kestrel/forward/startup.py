@@ -124,6 +124,12 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
         runner.capture_hidden_layers = aux_layers   # before any graph is captured
         logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s%s", spec.model,
                     list(aux_layers), "" if tp.size == 1 else " (drafts on rank 0)")
+    elif spec is not None and spec.method == "deepseek_mtp":
+        progress.begin("loading_drafter")
+        drafter = load_mtp(path, model, device, dtype, ops, tp)
+        runner.capture_hidden_layers = (cfg.num_layers,)   # the final stream, before the target's norm
+        logger.info("multi-token-prediction drafter: layer %d of %s%s", cfg.num_layers, path,
+                    "" if tp.size == 1 else " (drafts on rank 0)")
     if backend.compiles_at_first_use:
         progress.begin("compiling_kernels", unit="CPU s")
         with child_cpu_progress(progress):
@@ -169,7 +175,7 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
             capture_verify_graphs(runner, config, max_model_len, spec.num_draft_nodes + 1, progress, tree)
             if tp.min_int(runner.verify_graphs is not None) == 0:   # a rank verifies eagerly: every rank does
                 runner.verify_graphs = None
-            if drafter is not None and runner.verify_graphs is not None:
+            if drafter is not None and runner.verify_graphs is not None and spec.method == "eagle3":
                 from kestrel.forward.drafter_graphs import capture_drafter_graphs
                 drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
                                                         spec.num_speculative_tokens, spec.topk, progress)
@@ -199,6 +205,23 @@ def load_drafter(path: str, cfg: ModelConfig, model: torch.nn.Module, device: to
     if not tp.is_driver:
         return None, aux_layers
     return load_eagle3_drafter(path, cfg, model, device, dtype, ops, target_embedding=embedding), aux_layers
+
+
+def load_mtp(path: Path, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ops: LayerOps,
+             tp: TPGroup = SINGLE) -> torch.nn.Module | None:
+    """The target checkpoint's multi-token-prediction layer as a drafter (models/deepseek_mtp.py), or None on
+    ranks > 0. As an EAGLE-3 drafter it runs whole on rank 0; the target's embedding and lm_head it shares are
+    split over the ranks, so every rank takes part in gathering them whole onto rank 0 first."""
+    from kestrel.models.mtp_loader import check_mtp_target, load_mtp_drafter
+
+    check_mtp_target(model.config, path)   # on every rank, before any collective
+    embedding = head = None
+    if tp.size > 1:
+        embedding = model.embed_tokens.gathered()   # every rank: one all-gather each
+        head = embedding.weight if model.config.tie_word_embeddings else model.lm_head.gathered().weight
+    if not tp.is_driver:
+        return None
+    return load_mtp_drafter(path, model, device, dtype, ops, embedding, head)
 
 
 def latent_graph_config(config: EngineConfig, cfg: ModelConfig) -> EngineConfig:
