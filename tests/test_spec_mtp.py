@@ -39,11 +39,10 @@ def mtp_tensors(target_dir: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     (transformers' own, so its names are the checkpoint's), enorm / hnorm / eh_proj / shared_head.norm, and the
     copies of the target's embedding and lm_head that released checkpoints carry."""
     from transformers import AutoConfig
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
 
     config = AutoConfig.from_pretrained(str(target_dir))
     torch.manual_seed(seed)
-    block = DeepseekV3DecoderLayer(config, LAYER)
+    block = decoder_layer_class(config.model_type)(config, LAYER)
     h = config.hidden_size
     tensors = {}
     for name, t in block.state_dict().items():
@@ -68,6 +67,15 @@ def mtp_tensors(target_dir: Path, seed: int = 0) -> dict[str, torch.Tensor]:
     return tensors
 
 
+def decoder_layer_class(model_type: str) -> type:
+    """transformers' decoder layer of the family: the MTP block is one of the target's own kind."""
+    if model_type == "glm4_moe":
+        from transformers.models.glm4_moe.modeling_glm4_moe import Glm4MoeDecoderLayer
+        return Glm4MoeDecoderLayer
+    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
+    return DeepseekV3DecoderLayer
+
+
 def with_mtp_layer(target_dir: Path, out: Path, tensors: dict[str, torch.Tensor], layers: int | None = 1) -> Path:
     """A copy of the checkpoint with `tensors` as its model.layers.3.* and num_nextn_predict_layers `layers`."""
     shutil.copytree(target_dir, out)
@@ -81,9 +89,22 @@ def with_mtp_layer(target_dir: Path, out: Path, tensors: dict[str, torch.Tensor]
 
 
 @pytest.fixture(scope="module")
-def mtp_checkpoint(moe_checkpoint, tmp_path_factory) -> Path:
-    target = moe_checkpoint("deepseek_v3")
-    return with_mtp_layer(target, tmp_path_factory.mktemp("mtp") / "ckpt", mtp_tensors(target))
+def mtp_checkpoints(moe_checkpoint, tmp_path_factory):
+    """family -> its tiny checkpoint with a random MTP layer, made once per module."""
+    made: dict[str, Path] = {}
+
+    def make(name: str) -> Path:
+        if name not in made:
+            target = moe_checkpoint(name)
+            made[name] = with_mtp_layer(target, tmp_path_factory.mktemp(f"mtp_{name}") / "ckpt", mtp_tensors(target))
+        return made[name]
+
+    return make
+
+
+@pytest.fixture(scope="module")
+def mtp_checkpoint(mtp_checkpoints) -> Path:
+    return mtp_checkpoints("deepseek_v3")
 
 
 def mtp(topk: int = 1) -> dict:
@@ -127,11 +148,12 @@ def reference_mtp(hf, block, w: dict[str, torch.Tensor], tokens: list[int], hidd
 
 
 @torch.no_grad()
-def test_mtp_layer_forward_matches_a_reference_written_from_the_report(mtp_checkpoint, moe_checkpoint):
+@pytest.mark.parametrize("name", ["deepseek_v3", pytest.param("glm4_moe", marks=pytest.mark.slow)])
+def test_mtp_layer_forward_matches_a_reference_written_from_the_report(mtp_checkpoints, moe_checkpoint, name):
     """Extend rows 0 .. n-2 (the target's normed state at i with token i + 1), then one draft step fed its own
-    output at n - 2 with a drafted token, through the paged latent cache; against the dense reference."""
-    from transformers.models.deepseek_v3.modeling_deepseek_v3 import DeepseekV3DecoderLayer
-
+    output at n - 2 with a drafted token, through the paged cache (DeepSeek-V3's latent one; GLM-4.5's K/V);
+    against the dense reference."""
+    mtp_checkpoint = mtp_checkpoints(name)
     llm = LLM(model=str(mtp_checkpoint), device="cpu", block_size=4, speculative_config=mtp())
     engine = llm.engine
     assert engine.runner.capture_hidden_layers == (LAYER,)
@@ -151,10 +173,10 @@ def test_mtp_layer_forward_matches_a_reference_written_from_the_report(mtp_check
     _, fed = drafter(step, out[-1:], proposer.backend, proposer.kv)
     engine.pool.release(table)
 
-    hf = hf_model(moe_checkpoint("deepseek_v3"))
+    hf = hf_model(moe_checkpoint(name))
     w = load_file(str(mtp_checkpoint / "mtp.safetensors"))
     w = {k.removeprefix(f"model.layers.{LAYER}."): v for k, v in w.items()}
-    block = DeepseekV3DecoderLayer(hf.config, LAYER).eval()
+    block = decoder_layer_class(hf.config.model_type)(hf.config, LAYER).eval()
     block.load_state_dict(hf_block_state(w, hf.config.n_routed_experts))
     h = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states[-1][0]   # after the final norm
     want = reference_mtp(hf, block, w, ids[1:], h[:n - 1])
@@ -167,11 +189,14 @@ def test_mtp_layer_forward_matches_a_reference_written_from_the_report(mtp_check
     assert (fed - want_fed).norm() / want_fed.norm() < 1e-5
 
 
-GREEDY_CASES = [pytest.param(1, id="chain"), pytest.param(3, id="tree", marks=pytest.mark.slow)]
+GREEDY_CASES = [pytest.param("deepseek_v3", 1, id="deepseek_v3-chain"),
+                pytest.param("deepseek_v3", 3, id="deepseek_v3-tree", marks=pytest.mark.slow),
+                pytest.param("glm4_moe", 1, id="glm4_moe-chain", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("topk", GREEDY_CASES)
-def test_greedy_with_mtp_is_token_identical_to_no_speculation(mtp_checkpoint, topk):
+@pytest.mark.parametrize("name,topk", GREEDY_CASES)
+def test_greedy_with_mtp_is_token_identical_to_no_speculation(mtp_checkpoints, name, topk):
+    mtp_checkpoint = mtp_checkpoints(name)
     want = token_ids(LLM(model=str(mtp_checkpoint), device="cpu").generate(PROMPTS, GREEDY))
     llm = LLM(model=str(mtp_checkpoint), device="cpu", speculative_config=mtp(topk))
     assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
@@ -266,3 +291,32 @@ def test_the_method_is_named_as_vllm_and_sglang_name_it():
         parse_speculative_json({"method": "deepseek_mtp", "model": "/some/dir"})
     with pytest.raises(KestrelError, match="deepseek_mtp needs a target with a multi-token-prediction layer"):
         check_mtp_target(LLAMA, Path("llama"))
+
+
+@pytest.mark.slow
+def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(mtp_checkpoint):
+    """16-token steps, 4-token blocks and 48 of them for 8 sequences: prompts prefilled in chunks, prefix hits the
+    drafter never computed (gaps in its cache: lower acceptance, never other tokens), sequences preempted."""
+    prompts = PROMPTS * 2
+    params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
+    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=48)
+    want = token_ids(LLM(model=str(mtp_checkpoint), **kw).generate(prompts, params))
+    llm = LLM(model=str(mtp_checkpoint), speculative_config=mtp(), **kw)
+    for _ in range(2):
+        assert token_ids(llm.generate(prompts, params)) == want
+    assert llm.engine.scheduler.num_preemptions > 0, "the cache was meant to force preemption"
+    assert llm.engine.prefix_cache.stats.hit_tokens > 0 and llm.engine.spec.counters.num_drafts > 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topk", [1, 3])
+def test_mtp_at_tp2_gives_one_ranks_tokens(mtp_checkpoint, topk):
+    """The target's heads and experts split over two ranks; the MTP layer whole on rank 0, the embedding and
+    lm_head it shares gathered whole there."""
+    want = token_ids(LLM(model=str(mtp_checkpoint), device="cpu").generate(PROMPTS, GREEDY))
+    llm = LLM(model=str(mtp_checkpoint), device="cpu", tensor_parallel_size=2, speculative_config=mtp(topk))
+    try:
+        assert token_ids(llm.generate(PROMPTS, GREEDY)) == want
+        assert llm.engine.spec.counters.num_drafts > 0
+    finally:
+        llm.shutdown()
