@@ -25,9 +25,10 @@ from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.deepseek_v3 import DeepseekV3ForCausalLM
 from kestrel.models.mtp_loader import check_mtp_target, load_mtp_drafter
-from kestrel.speculative_config import parse_speculative_json, resolve_speculative
+from kestrel.speculative_config import parse_speculative_json
 from tests.test_eagle3_drafter import TARGET as LLAMA
 from tests.test_moe_models import PROMPTS, hf_model
+from tests.test_spec_config import cli
 
 K = 3
 LAYER = 3   # the tiny DeepSeek-V3's num_hidden_layers: its MTP layer is model.layers.3
@@ -283,10 +284,12 @@ def test_a_wrong_shaped_or_missing_tensor_names_the_layer_and_the_tensor(mtp_che
 
 
 def test_the_method_is_named_as_vllm_and_sglang_name_it():
-    assert parse_speculative_json({"method": "deepseek_mtp", "num_speculative_tokens": 2}).method == "deepseek_mtp"
+    """The flags of `kestrel serve`: vLLM's JSON (deepseek_mtp, or its umbrella name mtp), SGLang's NEXTN."""
+    vllm = cli("--speculative-config", '{"method": "deepseek_mtp", "num_speculative_tokens": 2}').speculative
+    assert (vllm.method, vllm.model, vllm.num_speculative_tokens) == ("deepseek_mtp", None, 2)
     assert parse_speculative_json('{"method": "mtp"}').method == "deepseek_mtp"
-    spec = resolve_speculative(None, "NEXTN", None, 2, None, None, False, None)
-    assert (spec.method, spec.model, spec.num_speculative_tokens) == ("deepseek_mtp", None, 2)
+    sglang = cli("--speculative-algorithm", "NEXTN", "--speculative-num-steps", "2").speculative
+    assert sglang == vllm
     with pytest.raises(KestrelError, match="takes no model"):
         parse_speculative_json({"method": "deepseek_mtp", "model": "/some/dir"})
     with pytest.raises(KestrelError, match="deepseek_mtp needs a target with a multi-token-prediction layer"):
