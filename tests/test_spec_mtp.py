@@ -323,3 +323,21 @@ def test_mtp_at_tp2_gives_one_ranks_tokens(mtp_checkpoint, topk):
         assert llm.engine.spec.counters.num_drafts > 0
     finally:
         llm.shutdown()
+
+
+def test_dummy_weights_draft_from_a_config_alone(moe_checkpoint, tmp_path):
+    """--load-format dummy (GPU benchmarks of DeepSeek-V3's shape from its config.json): the MTP layer gets random
+    weights too, after the target's, so the target is the same as without speculation."""
+    source = moe_checkpoint("deepseek_v3")
+    config_only = tmp_path / "config_only"
+    config_only.mkdir()
+    for name in ("config.json", "tokenizer.json", "tokenizer_config.json"):
+        if (source / name).is_file():
+            shutil.copy(source / name, config_only / name)
+    raw = json.loads((config_only / "config.json").read_text())
+    (config_only / "config.json").write_text(json.dumps(raw | {"num_nextn_predict_layers": 1}))
+    kw = dict(model=str(config_only), device="cpu", load_format="dummy")
+    want = token_ids(LLM(**kw).generate(PROMPTS[2:], GREEDY))
+    llm = LLM(**kw, speculative_config=mtp())
+    assert token_ids(llm.generate(PROMPTS[2:], GREEDY)) == want
+    assert llm.engine.spec.counters.num_drafts > 0

@@ -126,7 +126,8 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                     list(aux_layers), "" if tp.size == 1 else " (drafts on rank 0)")
     elif spec is not None and spec.method == "deepseek_mtp":
         progress.begin("loading_drafter")
-        drafter = load_mtp(path, model, device, dtype, ops, tp)
+        drafter = load_mtp(path, model, device, dtype, ops, tp,
+                           dummy_seed=config.seed + 1 if config.load_format == "dummy" else None)
         runner.capture_hidden_layers = (cfg.num_layers,)   # the final stream, before the target's norm
         logger.info("multi-token-prediction drafter: layer %d of %s%s", cfg.num_layers, path,
                     "" if tp.size == 1 else " (drafts on rank 0)")
@@ -208,11 +209,12 @@ def load_drafter(path: str, cfg: ModelConfig, model: torch.nn.Module, device: to
 
 
 def load_mtp(path: Path, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ops: LayerOps,
-             tp: TPGroup = SINGLE) -> torch.nn.Module | None:
+             tp: TPGroup = SINGLE, dummy_seed: int | None = None) -> torch.nn.Module | None:
     """The target checkpoint's multi-token-prediction layer as a drafter (models/deepseek_mtp.py), or None on
     ranks > 0. As an EAGLE-3 drafter it runs whole on rank 0; the target's embedding and lm_head it shares are
-    split over the ranks, so every rank takes part in gathering them whole onto rank 0 first."""
-    from kestrel.models.mtp_loader import check_mtp_target, load_mtp_drafter
+    split over the ranks, so every rank takes part in gathering them whole onto rank 0 first. dummy_seed: random
+    weights (--load-format dummy: benchmarks on a config.json alone), else the checkpoint's."""
+    from kestrel.models.mtp_loader import build_mtp_drafter, check_mtp_target, load_mtp_drafter
 
     check_mtp_target(model.config, path)   # on every rank, before any collective
     embedding = head = None
@@ -221,7 +223,11 @@ def load_mtp(path: Path, model: torch.nn.Module, device: torch.device, dtype: to
         head = embedding.weight if model.config.tie_word_embeddings else model.lm_head.gathered().weight
     if not tp.is_driver:
         return None
-    return load_mtp_drafter(path, model, device, dtype, ops, embedding, head)
+    if dummy_seed is None:
+        return load_mtp_drafter(path, model, device, dtype, ops, embedding, head)
+    drafter = build_mtp_drafter(model, device, dtype, ops, embedding, head)
+    init_dummy_weights(drafter, dummy_seed)
+    return drafter
 
 
 def latent_graph_config(config: EngineConfig, cfg: ModelConfig) -> EngineConfig:

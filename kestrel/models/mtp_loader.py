@@ -61,6 +61,18 @@ def mtp_tensor_names(model_dir: Path, layer: int) -> dict[str, tuple[Path, str]]
     return found
 
 
+def build_mtp_drafter(target: nn.Module, device: torch.device | str, dtype: torch.dtype, ops: LayerOps = TORCH_OPS,
+                      embedding: nn.Module | None = None, head_weight: torch.Tensor | None = None) -> MTPDrafter:
+    """The drafter's modules on `device` in `dtype`, weights not loaded (--load-format dummy fills them)."""
+    with torch.device(device):
+        default_dtype = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            return MTPDrafter(target, ops, embedding, head_weight).eval()
+        finally:
+            torch.set_default_dtype(default_dtype)
+
+
 def load_mtp_drafter(model_dir: Path, target: nn.Module, device: torch.device | str, dtype: torch.dtype,
                      ops: LayerOps = TORCH_OPS, embedding: nn.Module | None = None,
                      head_weight: torch.Tensor | None = None) -> MTPDrafter:
@@ -75,13 +87,7 @@ def load_mtp_drafter(model_dir: Path, target: nn.Module, device: torch.device | 
         raise ModelLoadError(f"{model_dir}: config.json says num_nextn_predict_layers "
                              f"{cfg.num_nextn_predict_layers}, but no weight file holds model.layers.{layer}.* "
                              "(the multi-token-prediction layer; some conversions drop it)")
-    with torch.device(device):
-        default_dtype = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            drafter = MTPDrafter(target, ops, embedding, head_weight)
-        finally:
-            torch.set_default_dtype(default_dtype)
+    drafter = build_mtp_drafter(target, device, dtype, ops, embedding, head_weight)
     placer = WeightPlacer(drafter)
     where = f"multi-token-prediction layer model.layers.{layer} in {model_dir}"
     for short, (path, full) in sorted(names.items()):
