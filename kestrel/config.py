@@ -54,7 +54,7 @@ class EngineConfig:
     served_model_name: str | None = None
     # Speculative decoding: vLLM's JSON or SGLang's flags (not both); see speculative_config.py
     speculative_config: str | dict | None = None        # vLLM: '{"method": "eagle3", "model": ..., ...}'
-    speculative_algorithm: str | None = None            # SGLang: EAGLE3 | NGRAM
+    speculative_algorithm: str | None = None            # SGLang: EAGLE3 | NGRAM | NEXTN
     speculative_draft_model_path: str | None = None
     speculative_num_steps: int | None = None            # K, drafting steps; default 3
     speculative_eagle_topk: int | None = None           # children per node; 1 (default) = chain
@@ -119,9 +119,6 @@ class EngineConfig:
             self.dist_address   # fails here on a malformed address
         if self.dist_timeout <= 0:
             raise KestrelError(f"--dist-timeout {self.dist_timeout} is invalid: expected seconds > 0")
-        if tp > 1 and self.speculative is not None:
-            raise KestrelError("speculative decoding with --tensor-parallel-size > 1 is not supported yet: drop "
-                               "one of them")
 
     @property
     def kv_cache_fp8(self) -> bool:
@@ -347,10 +344,12 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
     spec.add_argument("--speculative-config", default=None, metavar="JSON",
                       help="vLLM's form: '{\"method\": \"eagle3\", \"model\": DRAFTER_DIR, "
                       "\"num_speculative_tokens\": 3}' or '{\"method\": \"ngram\", \"num_speculative_tokens\": 3, "
-                      "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}'; Kestrel's keys: topk, num_draft_tokens "
-                      "(tree nodes, root excluded), synthetic_acceptance_rate, adaptive")
-    spec.add_argument("--speculative-algorithm", default=None, metavar="{EAGLE3,NGRAM}",
-                      help="SGLang's form: EAGLE3 (a drafter model reading the target's hidden states) or NGRAM "
+                      "\"prompt_lookup_min\": 2, \"prompt_lookup_max\": 4}' or '{\"method\": \"deepseek_mtp\", "
+                      "\"num_speculative_tokens\": 3}' (the checkpoint's own MTP layer); Kestrel's keys: topk, "
+                      "num_draft_tokens (tree nodes, root excluded), synthetic_acceptance_rate, adaptive")
+    spec.add_argument("--speculative-algorithm", default=None, metavar="{EAGLE3,NGRAM,NEXTN}",
+                      help="SGLang's form: EAGLE3 (a drafter model reading the target's hidden states), NEXTN (the "
+                      "target checkpoint's own multi-token-prediction layer: DeepSeek-V3, GLM-4.5) or NGRAM "
                       "(prompt lookup: copy what followed the last n tokens earlier in the context)")
     spec.add_argument("--speculative-draft-model-path", default=None, metavar="DIR",
                       help="the EAGLE-3 drafter's directory or Hub id (ORG/NAME)")

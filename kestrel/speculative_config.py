@@ -17,7 +17,9 @@ from typing import Callable
 
 from kestrel.errors import KestrelError
 
-METHODS = ("eagle3", "ngram")
+METHODS = ("eagle3", "ngram", "deepseek_mtp")
+# other names of deepseek_mtp (as normalize_method writes them): vLLM's umbrella "mtp", SGLang's NEXTN
+METHOD_ALIASES = {"deepseekmtp": "deepseek_mtp", "mtp": "deepseek_mtp", "nextn": "deepseek_mtp"}
 MAX_SPECULATIVE_TOKENS = 16
 DEFAULT_SPECULATIVE_TOKENS = 3
 # Keys of the JSON form: vLLM's, then Kestrel's.
@@ -27,8 +29,8 @@ JSON_KEYS = ("method", "model", "num_speculative_tokens", "prompt_lookup_min", "
 
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
-    method: str                                 # eagle3 | ngram
-    model: str | None = None                    # the EAGLE-3 drafter's directory; ngram has none
+    method: str                                 # eagle3 | ngram | deepseek_mtp
+    model: str | None = None                    # the EAGLE-3 drafter's directory; ngram and deepseek_mtp have none
     num_speculative_tokens: int = DEFAULT_SPECULATIVE_TOKENS   # K: drafting steps (chain length, tree depth)
     topk: int = 1                               # children per node per step; 1 = chain
     num_draft_tokens: int | None = None         # tree nodes, root excluded; None: K (chain) or topk * K (tree)
@@ -49,6 +51,10 @@ class SpeculativeConfig:
             if not Path(self.model).is_dir():
                 raise KestrelError(f"speculative drafter {self.model!r} is not a directory: expected an EAGLE-3 "
                                    "checkpoint directory (config.json + safetensors)")
+        elif self.method == "deepseek_mtp" and self.model is not None:
+            raise KestrelError(f"speculative method deepseek_mtp drafts with the target checkpoint's own "
+                               f"multi-token-prediction layer and takes no model; got model {self.model!r} (leave "
+                               "it out, or use method eagle3 for a separate drafter)")
         elif self.model is not None:
             # An error rather than ignoring it: a drafter path with ngram is most likely a typo in `method`.
             raise KestrelError(f"speculative method ngram drafts from the context and takes no model; "
@@ -95,8 +101,10 @@ def max_tree_nodes(depth: int, topk: int) -> int:
 
 
 def normalize_method(name: str) -> str:
-    """'EAGLE3', 'eagle-3', 'Eagle_3' -> 'eagle3'; '[ngram]', 'NGRAM' -> 'ngram'; others are returned lowered."""
-    return name.strip().strip("[]").lower().replace("-", "").replace("_", "")
+    """'EAGLE3', 'eagle-3', 'Eagle_3' -> 'eagle3'; '[ngram]', 'NGRAM' -> 'ngram'; 'deepseek_mtp', 'mtp', 'NEXTN'
+    -> 'deepseek_mtp'; others are returned lowered."""
+    name = name.strip().strip("[]").lower().replace("-", "").replace("_", "")
+    return METHOD_ALIASES.get(name, name)
 
 
 def parse_speculative_json(value: str | dict, default_drafter: str | None = None,

@@ -286,3 +286,21 @@ def test_random_checkpoint_loads_and_runs(tmp_path, target, with_embedding):
     batch = build_forward_batch([[1, 2, 3], [4]], [0, 0], [[0], [1]], BLOCK_SIZE)
     normed, out = drafter(batch, torch.randn(4, 3 * 48), TorchAttentionBackend(), (cache[0], cache[1]))
     assert out.shape == (4, drafter.config.hidden_size) and bool(drafter.compute_logits(normed).isfinite().all())
+
+
+def test_a_yarn_drafter_rotates_as_its_config_says(tmp_path, target):
+    """YaRN rope scaling (a long-context target's drafter): the table is YaRN's, original_max_position_embeddings
+    taken from the config's max_position_embeddings when the scaling does not name it, as a target's config."""
+    from kestrel.layers.rotary import RotaryEmbedding
+
+    yarn = {"rope_type": "yarn", "factor": 4.0}
+    path, _ = write_drafter(tmp_path / "yarn", rope_scaling=yarn)
+    drafter = load_eagle3_drafter(path, TARGET, target, "cpu", torch.float32)
+    assert drafter.config.rope_scaling == dict(yarn, original_max_position_embeddings=128)
+    want = RotaryEmbedding(HEAD_DIM, 128, THETA, dict(yarn, original_max_position_embeddings=128)).cos_sin_cache
+    plain = RotaryEmbedding(HEAD_DIM, 128, THETA, None).cos_sin_cache
+    got = drafter.midlayer.self_attn.rotary.cos_sin_cache
+    assert torch.allclose(got, want.to(got.dtype)) and not torch.allclose(got, plain.to(got.dtype))
+    path, _ = write_drafter(tmp_path / "dynamic", rope_scaling={"rope_type": "dynamic", "factor": 2.0})
+    with pytest.raises(KestrelError, match="rope scaling type 'dynamic' is not supported"):
+        load_eagle3_drafter(path, TARGET, target, "cpu", torch.float32)

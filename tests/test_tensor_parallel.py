@@ -142,7 +142,6 @@ def test_kv_heads_that_cannot_be_replicated_evenly_are_refused(checkpoint_factor
     (dict(tensor_parallel_size=2, nnodes=2), "--nnodes > 1 needs --dist-init-addr"),
     (dict(tensor_parallel_size=2, nnodes=2, node_rank=2, dist_init_addr="h:1"), "--node-rank 2 is invalid"),
     (dict(tensor_parallel_size=2, dist_init_addr="nohostport"), "--dist-init-addr 'nohostport' is invalid"),
-    (dict(tensor_parallel_size=2, speculative_algorithm="NGRAM"), "speculative decoding with"),
 ])
 def test_parallel_options_are_checked_at_the_edge(kwargs, message):
     with pytest.raises(KestrelError, match=message):

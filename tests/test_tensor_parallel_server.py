@@ -128,3 +128,29 @@ def test_a_dead_node_stops_the_server_with_its_rank_named(checkpoint):
     finally:
         stop(node0)
         stop(node1)
+
+
+def test_serve_at_tp2_with_eagle3_answers_like_one_rank_without_it():
+    """The default model and its shipped drafter over two ranks: rank 0 drafts, both verify; the openai client gets
+    one rank's plain greedy text, and /metrics counts accepted drafts."""
+    llm = LLM(device="cpu")
+    try:
+        expected = [r.outputs[0].text
+                    for r in llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=MAX_TOKENS))]
+    finally:
+        llm.shutdown()
+    port = free_port()
+    url = f"http://127.0.0.1:{port}"
+    proc = serve("--tp", "2", "--speculative-algorithm", "EAGLE3", "--speculative-num-steps", "3",
+                 "--speculative-disable-adaptive", "--port", str(port))
+    try:
+        poll_health(url, lambda status, body: status == 200)
+        assert len(worker_pids(proc)) == 1
+        assert_serves(url, expected)
+        metrics = httpx.get(f"{url}/metrics").text
+        accepted = [line for line in metrics.splitlines()
+                    if line.startswith("kestrel:spec_decode_num_accepted_tokens_total")]
+        assert accepted and float(accepted[0].split()[-1]) > 0, accepted
+    finally:
+        out = stop(proc)
+    assert proc.returncode == 0, out

@@ -50,6 +50,15 @@ class TPGroup:
         dist.all_gather(parts, x.contiguous(), group=self.device_group)
         return torch.cat(parts, dim=-1)
 
+    def all_gather_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """[n, ...] per rank -> [size * n, ...], rank r's rows at [r * n, (r + 1) * n) (a vocab-split table made
+        whole)."""
+        if self.size == 1:
+            return x
+        parts = [torch.empty_like(x) for _ in range(self.size)]
+        dist.all_gather(parts, x.contiguous(), group=self.device_group)
+        return torch.cat(parts, dim=0)
+
     def broadcast_object(self, obj: Any = None) -> Any:
         """Rank 0's obj on every rank (pickled over the CPU group)."""
         box = [obj]

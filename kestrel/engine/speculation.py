@@ -392,14 +392,8 @@ class SpeculativeDecoding:
                 if i != j:
                     for index, into in ((chunk.start + i, src), (chunk.start + j, dst)):
                         into.append(chunk.block_ids[index // block_size] * block_size + index % block_size)
-        if not src:
-            return
-        kv = self.runner.kv_cache   # [layers, planes, num_blocks, block_size, kv_heads, head_dim]
-        if kv.dtype.itemsize == 1:   # FP8: moved as bytes (torch's index_put has no FP8 kernel on every device)
-            kv = kv.view(torch.uint8)
-        flat = kv.view(kv.shape[0], kv.shape[1], -1, *kv.shape[4:])   # K, V planes (MLA: one latent)
-        device = kv.device
-        flat[:, :, torch.tensor(dst, device=device)] = flat[:, :, torch.tensor(src, device=device)]
+        if src:   # the runner moves them in every layer's K and V (MLA: its latent), on every rank
+            self.runner.move_kv(src, dst)
 
     def _lap(self, phase: str, since: float | None = None) -> None:
         """Add the time since the last lap (or `since`) to `phase` in self.timing, when a benchmark asks."""

@@ -90,6 +90,17 @@ class ModelRunner:
     def close(self) -> None:
         """Stop whatever the runner started besides its own memory (other ranks: ranks/driver.py)."""
 
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        """Copy the cache entries at flat slots src (block_id * block_size + offset) to the slots dst, in every
+        layer and plane (K and V, or MLA's latent): a tree verify step's accepted path moved next to its root
+        (engine/speculation.py). With several ranks each rank moves its own heads' entries (ranks/driver.py)."""
+        kv = self.kv_cache   # [layers, planes, num_blocks, block_size, heads, width]
+        if kv.dtype.itemsize == 1:   # FP8: moved as bytes (torch's index_put has no FP8 kernel on every device)
+            kv = kv.view(torch.uint8)
+        flat = kv.view(kv.shape[0], kv.shape[1], -1, *kv.shape[4:])
+        # the right side is gathered before anything is written: a slot both read and written reads its old entry
+        flat[:, :, torch.tensor(dst, device=kv.device)] = flat[:, :, torch.tensor(src, device=kv.device)]
+
     def decodes_in_graph(self, num_seqs: int) -> bool:
         """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""
         return self.graphs is not None and self.graphs.can_run(num_seqs)

@@ -14,6 +14,7 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -130,11 +131,17 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     drafter = None
     if spec is not None and spec.method == "eagle3":
         progress.begin("loading_drafter")
-        from kestrel.models.eagle3_loader import load_eagle3_drafter
-        drafter = load_eagle3_drafter(spec.model, cfg, model, device, dtype, ops)
-        runner.capture_hidden_layers = tuple(drafter.config.aux_layer_ids)   # before any graph is captured
-        logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s", spec.model,
-                    list(runner.capture_hidden_layers))
+        drafter, aux_layers = load_drafter(spec.model, cfg, model, device, dtype, ops, tp)
+        runner.capture_hidden_layers = aux_layers   # before any graph is captured
+        logger.info("EAGLE-3 drafter %s: reads the hidden states entering target layers %s%s", spec.model,
+                    list(aux_layers), "" if tp.size == 1 else " (drafts on rank 0)")
+    elif spec is not None and spec.method == "deepseek_mtp":
+        progress.begin("loading_drafter")
+        drafter = load_mtp(path, model, device, dtype, ops, tp,
+                           dummy_seed=config.seed + 1 if config.load_format == "dummy" else None)
+        runner.capture_hidden_layers = (cfg.num_layers,)   # the final stream, before the target's norm
+        logger.info("multi-token-prediction drafter: layer %d of %s%s", cfg.num_layers, path,
+                    "" if tp.size == 1 else " (drafts on rank 0)")
     if backend.compiles_at_first_use:
         progress.begin("compiling_kernels", unit="CPU s")
         with child_cpu_progress(progress):
@@ -180,7 +187,9 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                 shape = draft_tree(spec.num_speculative_tokens, spec.topk, spec.num_draft_nodes)
                 tree = (shape.depths, shape.mask())
             capture_verify_graphs(runner, config, max_model_len, spec.num_draft_nodes + 1, progress, tree)
-            if drafter is not None and runner.verify_graphs is not None:
+            if tp.min_int(runner.verify_graphs is not None) == 0:   # a rank verifies eagerly: every rank does
+                runner.verify_graphs = None
+            if drafter is not None and runner.verify_graphs is not None and spec.method == "eagle3":
                 from kestrel.forward.drafter_graphs import capture_drafter_graphs
                 drafter_graphs = capture_drafter_graphs(drafter, (drafter_kv[0], drafter_kv[1]), runner,
                                                         spec.num_speculative_tokens, spec.topk, progress)
@@ -190,6 +199,48 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
+
+
+def load_drafter(path: str, cfg: ModelConfig, model: torch.nn.Module, device: torch.device, dtype: torch.dtype,
+                 ops: LayerOps, tp: TPGroup = SINGLE) -> tuple[torch.nn.Module | None, tuple[int, ...]]:
+    """(the EAGLE-3 drafter, or None on ranks > 0; the target layers whose input hidden states it reads).
+
+    With tensor parallelism the drafter runs on rank 0 alone, whole (docs/speculative.md says why): its drafts
+    travel to the other ranks inside the verify step's chunks, as every step's tokens do. The other ranks only
+    capture the same hidden states (so every rank's graphs are alike) and take part in gathering the target's
+    embedding for a drafter that shares it: the target's table is split over the ranks and its lookup
+    all-reduces, which a module run on one rank cannot call."""
+    from kestrel.models.eagle3_loader import drafter_shares_embedding, eagle3_config, load_eagle3_drafter
+
+    aux_layers = tuple(eagle3_config(Path(path), cfg).aux_layer_ids)
+    embedding = None
+    if tp.size > 1 and drafter_shares_embedding(path):
+        embedding = model.embed_tokens.gathered()   # every rank: one all-gather
+    if not tp.is_driver:
+        return None, aux_layers
+    return load_eagle3_drafter(path, cfg, model, device, dtype, ops, target_embedding=embedding), aux_layers
+
+
+def load_mtp(path: Path, model: torch.nn.Module, device: torch.device, dtype: torch.dtype, ops: LayerOps,
+             tp: TPGroup = SINGLE, dummy_seed: int | None = None) -> torch.nn.Module | None:
+    """The target checkpoint's multi-token-prediction layer as a drafter (models/deepseek_mtp.py), or None on
+    ranks > 0. As an EAGLE-3 drafter it runs whole on rank 0; the target's embedding and lm_head it shares are
+    split over the ranks, so every rank takes part in gathering them whole onto rank 0 first. dummy_seed: random
+    weights (--load-format dummy: benchmarks on a config.json alone), else the checkpoint's."""
+    from kestrel.models.mtp_loader import build_mtp_drafter, check_mtp_target, load_mtp_drafter
+
+    check_mtp_target(model.config, path)   # on every rank, before any collective
+    embedding = head = None
+    if tp.size > 1:
+        embedding = model.embed_tokens.gathered()   # every rank: one all-gather each
+        head = embedding.weight if model.config.tie_word_embeddings else model.lm_head.gathered().weight
+    if not tp.is_driver:
+        return None
+    if dummy_seed is None:
+        return load_mtp_drafter(path, model, device, dtype, ops, embedding, head)
+    drafter = build_mtp_drafter(model, device, dtype, ops, embedding, head)
+    init_dummy_weights(drafter, dummy_seed)
+    return drafter
 
 
 def latent_graph_config(config: EngineConfig, cfg: ModelConfig) -> EngineConfig:

@@ -40,6 +40,18 @@ class VocabEmbedding(nn.Module):
         param.data.zero_()
         param.data[:rows.shape[0]].copy_(rows)
 
+    def gathered(self) -> VocabEmbedding:
+        """The whole table as a one-rank embedding on this rank; with several ranks every rank must call it (one
+        all-gather of the shards). A lookup in it needs no collective: what a module run on one rank alone uses
+        (an EAGLE-3 drafter that shares the target's embedding drafts on rank 0 only: docs/speculative.md)."""
+        if self.tp.size == 1:
+            return self
+        table = self.tp.all_gather_rows(self.weight.data)[:self.vocab_size]   # the last shard's padding cut
+        with torch.device("meta"):   # no table allocated only to be replaced
+            full = VocabEmbedding(self.vocab_size, self.weight.shape[1])
+        full.weight = nn.Parameter(table, requires_grad=False)
+        return full
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)

@@ -11,9 +11,10 @@ lm_head).
          shared experts' MLP on every token
 
 YaRN rope scaling (DeepSeek-V3's released config) scales the rotary table (layers/rotary.py) and the softmax
-(`softmax_scale`). Not yet: the multi-token-prediction layer (num_nextn_predict_layers: its weights sit past
-num_hidden_layers and are skipped at load; a drafter for speculative decoding later), FP8 block-quantized
-checkpoints (the released weights; the FP8 work's linear methods).
+(`softmax_scale`). The multi-token-prediction layer (num_nextn_predict_layers: its weights sit past
+num_hidden_layers) is skipped at load; speculative method deepseek_mtp loads it as a drafter
+(models/deepseek_mtp.py). Not yet: FP8 block-quantized checkpoints (the released weights; the FP8 work's linear
+methods).
 
 Tensor parallelism splits the attention heads, as vLLM does for MLA. On rank r of N (H heads, H_r = H / N):
 

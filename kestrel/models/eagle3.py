@@ -128,6 +128,10 @@ class Eagle3Drafter(nn.Module):
         self.register_buffer("d2t", torch.zeros(cfg.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.ones(cfg.vocab_size, dtype=torch.bool))
 
+    def from_target(self, aux: torch.Tensor) -> torch.Tensor:
+        """The captured target states [T, 3 Ht] -> the layer's hidden input [T, H] (what forward does with them)."""
+        return self.fc(aux)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         embedding = self.embed_tokens if self.config.has_embedding else self._shared_embedding[0]
         return embedding(input_ids)

@@ -56,9 +56,15 @@ def _rope_scaling(raw: dict[str, Any], path: Path) -> dict[str, Any] | None:
     if not scaling:
         return None
     kind = scaling.get("rope_type", scaling.get("type", "default"))
-    if kind not in ("default", "llama3"):
-        raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported (default, llama3)")
-    return None if kind == "default" else dict(scaling)
+    if kind not in ("default", "llama3", "yarn"):   # a Qwen3-MoE target's long-context drafter uses YaRN
+        raise ModelLoadError(f"{path}: rope scaling type {kind!r} is not supported (default, llama3, yarn)")
+    if kind == "default":
+        return None
+    scaling = dict(scaling)
+    if kind == "yarn" and "original_max_position_embeddings" not in scaling:   # as the target's config reads it
+        scaling["original_max_position_embeddings"] = int(raw.get("original_max_position_embeddings")
+                                                          or raw.get("max_position_embeddings", 2048))
+    return scaling
 
 
 def _aux_layer_ids(raw: dict[str, Any], target: ModelConfig, path: Path) -> tuple[int, ...]:
@@ -153,8 +159,7 @@ def _check_tensors(index: _TensorIndex, cfg: Eagle3Config) -> None:
                              f"{list(expected)} = [hidden_size, 3 x target_hidden_size]")
 
 
-def _shared_embedding(cfg: Eagle3Config, target_model: nn.Module, model_dir: Path) -> nn.Module:
-    embedding = getattr(target_model, "embed_tokens", None)
+def _shared_embedding(cfg: Eagle3Config, embedding: nn.Module | None, model_dir: Path) -> nn.Module:
     if embedding is None:
         raise ModelLoadError(f"EAGLE-3 drafter in {model_dir} has no embed_tokens and the target model has none "
                              "to share")
@@ -195,9 +200,20 @@ def _vocab_maps(index: _TensorIndex, cfg: Eagle3Config) -> tuple[torch.Tensor, t
     return d2t, t2d
 
 
+def drafter_shares_embedding(path: str | Path) -> bool:
+    """Whether the drafter checkpoint lacks embed_tokens, so it reads the target's embedding."""
+    model_dir = Path(path)
+    if not model_dir.is_dir():
+        raise ModelLoadError(f"EAGLE-3 drafter directory {model_dir} does not exist")
+    return "embed_tokens.weight" not in _TensorIndex(model_dir)
+
+
 def load_eagle3_drafter(path: str | Path, target_config: ModelConfig, target_model: nn.Module,
-                        device: torch.device | str, dtype: torch.dtype, ops: LayerOps = TORCH_OPS) -> Eagle3Drafter:
-    """A drafter checkpoint directory, validated against its target, on `device` in `dtype`."""
+                        device: torch.device | str, dtype: torch.dtype, ops: LayerOps = TORCH_OPS,
+                        target_embedding: nn.Module | None = None) -> Eagle3Drafter:
+    """A drafter checkpoint directory, validated against its target, on `device` in `dtype`. target_embedding:
+    the table a drafter without its own embedding shares (default: the target model's embed_tokens; with tensor
+    parallelism the whole table gathered on the drafting rank, VocabEmbedding.gathered)."""
     model_dir = Path(path)
     if not model_dir.is_dir():
         raise ModelLoadError(f"EAGLE-3 drafter directory {model_dir} does not exist")
@@ -205,7 +221,10 @@ def load_eagle3_drafter(path: str | Path, target_config: ModelConfig, target_mod
     index = _TensorIndex(model_dir)
     _check_tensors(index, cfg)
     cfg = replace(cfg, has_embedding="embed_tokens.weight" in index, fc_bias="fc.bias" in index)
-    shared = None if cfg.has_embedding else _shared_embedding(cfg, target_model, model_dir)
+    shared = None
+    if not cfg.has_embedding:
+        embedding = target_embedding if target_embedding is not None else getattr(target_model, "embed_tokens", None)
+        shared = _shared_embedding(cfg, embedding, model_dir)
     d2t, t2d = _vocab_maps(index, cfg)
     with torch.device(device):
         default_dtype = torch.get_default_dtype()
@@ -240,15 +259,21 @@ def drafter_config_json(target_config: ModelConfig, draft_vocab_size: int | None
                         hidden_size: int | None = None, aux_layer_ids: tuple[int, ...] | None = None
                         ) -> dict[str, Any]:
     """config.json of a drafter for `target_config`: the standard EAGLE-3 shape (the target's width, heads, KV
-    heads, head_dim, FFN and rotary; one layer), as SGLang and vLLM read it."""
+    heads, head_dim, FFN and rotary; one layer), as SGLang and vLLM read it. The drafter is a Llama layer whatever
+    the target's layers are: for a latent-attention target (DeepSeek-V3, Kimi-K2) its heads are the target's
+    heads at v_head_dim wide, each its own KV head, and its rotary plain (no YaRN: that scales the target's rope
+    dims), as SpecForge's Kimi-K2 drafters are; a MoE target's drafter takes its dense intermediate_size."""
     hidden = hidden_size or target_config.hidden_size
     aux = aux_layer_ids or default_aux_layer_ids(target_config.num_layers)
+    latent = bool(target_config.kv_lora_rank)
     return {
         "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama", "hidden_size": hidden,
-        "num_attention_heads": target_config.num_heads, "num_key_value_heads": target_config.num_kv_heads,
-        "head_dim": target_config.head_dim, "intermediate_size": target_config.intermediate_size,
+        "num_attention_heads": target_config.num_heads,
+        "num_key_value_heads": target_config.num_heads if latent else target_config.num_kv_heads,
+        "head_dim": target_config.v_head_dim if latent else target_config.head_dim,
+        "intermediate_size": target_config.intermediate_size,
         "rms_norm_eps": target_config.rms_norm_eps, "rope_theta": target_config.rope_theta,
-        "rope_scaling": target_config.rope_scaling,
+        "rope_scaling": None if latent else target_config.rope_scaling,
         "max_position_embeddings": target_config.max_position_embeddings, "num_hidden_layers": 1,
         "vocab_size": target_config.vocab_size, "draft_vocab_size": draft_vocab_size or target_config.vocab_size,
         "target_hidden_size": target_config.hidden_size, "tie_word_embeddings": False,

@@ -6,7 +6,8 @@ the first first_k_dense_replace layers dense).
 
 The fused attention prologue (CUDA) assumes a rotary table as wide as the head, so this model's attention is
 built without it; rotary runs through the table's own op on the rotated slice.
-The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load. Tensor parallelism as Qwen3-MoE's
+The multi-token-prediction layer (num_nextn_predict_layers) is skipped at load (speculative method deepseek_mtp
+drafts with it: models/deepseek_mtp.py). Tensor parallelism as Qwen3-MoE's
 (models/llama_moe.py): attention heads split, experts and shared experts split along their width, one
 all-reduce of the MoE block's output a layer.
 """

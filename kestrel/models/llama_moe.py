@@ -43,7 +43,8 @@ def check_experts_split(cfg: ModelConfig, tp: TPGroup) -> None:
 
 def is_past_last_layer(name: str, num_layers: int) -> bool:
     """model.layers.{i}.* with i >= num_layers: the multi-token-prediction layer(s) DeepSeek-V3 and GLM-4.5
-    checkpoints carry after the decoder (num_nextn_predict_layers), which this engine does not run."""
+    checkpoints carry after the decoder (num_nextn_predict_layers): not the target's to load (speculative method
+    deepseek_mtp loads it as a drafter: models/mtp_loader.py)."""
     match = re.match(r"(?:model\.)?layers\.(\d+)\.", name)
     return match is not None and int(match.group(1)) >= num_layers
 

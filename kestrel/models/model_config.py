@@ -56,6 +56,9 @@ class ModelConfig:
     v_head_dim: int = 0
     rope_interleave: bool = False         # rotary pairs (x0, x1), (x2, x3), ... instead of the two halves
     quantization_config: dict[str, Any] | None = None   # as config.json has it; models/quantization.py reads it
+    # DeepSeek-V3 / GLM-4.5: multi-token-prediction layers stored past the decoder as model.layers.{num_layers + i}
+    # (a drafter for speculative decoding: models/deepseek_mtp.py); 0: the checkpoint carries none
+    num_nextn_predict_layers: int = 0
 
 
 def _as_tuple(value: Any) -> tuple[int, ...]:
@@ -127,6 +130,7 @@ def hf_model_config(model_dir: Path) -> ModelConfig:
             rotary_dim=_rotary_dim(raw, rope, num_heads),
             **_moe_fields(arch, raw), **(_mla_fields(raw) if mla else {}),
             quantization_config=raw.get("quantization_config"),
+            num_nextn_predict_layers=int(raw.get("num_nextn_predict_layers") or 0),
         )
     except KeyError as exc:
         raise ModelLoadError(f"{path} lacks the field {exc.args[0]!r}") from None

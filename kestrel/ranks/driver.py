@@ -6,7 +6,9 @@
                  the model's all-reduces / all-gather meet across the ranks (device group)
 
 Every rank holds the same runner state (graphs, their block-table rows), so each takes the same road and
-replays the same graph; the logits are gathered on every rank, rank 0 samples. Startup needs no commands: every
+replays the same graph; the logits are gathered on every rank, rank 0 samples. Speculative decoding adds nothing
+to this: rank 0 drafts (an EAGLE-3 drafter lives on rank 0 only) and verifies, the drafts reach the other ranks
+inside the verify step's chunks, and a tree step's accepted K/V moves on every rank ("move_kv"). Startup needs no commands: every
 rank runs the same startup, whose forwards meet in the same order.
 """
 from __future__ import annotations
@@ -125,6 +127,9 @@ class DriverRunner:
 
     def share_sampled_tokens(self, tokens: torch.Tensor) -> None:
         self._step(("tokens",), lambda: self.tp.broadcast_tensor(tokens))
+
+    def move_kv(self, src: list[int], dst: list[int]) -> None:
+        self._step(("move_kv", src, dst), lambda: self.runner.move_kv(src, dst))
 
     def _step(self, command: tuple, run: Callable[[], object]):
         self.ranks.busy_since = time.monotonic()

@@ -7,6 +7,7 @@ step rank 0 sends, in rank 0's order:
     ("execute", chunks)          runner.execute(chunks)  (a graph replay or eager; the outputs stay here)
     ("forward", batch, float)    runner.forward(batch)   (prompt logits)
     ("tokens",)                  the sampled tokens of the last launch, from rank 0 (the overlap schedule)
+    ("move_kv", src, dst)        runner.move_kv(src, dst)  (a tree verify step's accepted path, next to its root)
     ("stop",)                    leave
 """
 from __future__ import annotations
@@ -35,6 +36,8 @@ def follow(runner, tp: TPGroup) -> None:
             runner.forward(command[1], command[2])
         elif op == "tokens":
             tp.broadcast_tensor(last.tokens)
+        elif op == "move_kv":
+            runner.move_kv(command[1], command[2])
         elif op == "stop":
             return
         else:

@@ -1,4 +1,6 @@
 """EAGLE-3 drafting: a one-layer drafter that reads three of the target's hidden states and predicts tokens.
+DeepSeek's multi-token-prediction layer (models/deepseek_mtp.py) drafts the same way: it reads one target state
+(the final one) and has the same interface, so this proposer drives it too (method deepseek_mtp).
 
 The drafter keeps a one-layer KV cache in the target's blocks (same block tables, same slots). Its row at
 position p reads the target's hidden states entering the aux layers at p and the token at p + 1, and predicts
@@ -32,7 +34,9 @@ class Eagle3Proposer(Proposer):
         self.aux_layers = tuple(drafter.config.aux_layer_ids)
         self.backend = backend   # its own instance (see capture_drafter_graphs): never the target's
         self.graphs = graphs     # after a verify-graph step: extend and drafts in one replay
-        self.kv = (kv_cache[0], kv_cache[1])   # [2, num_blocks, block_size, kv_heads, head_dim]
+        # the drafter's one-layer cache planes: (k, v) of [num_blocks, block_size, kv_heads, head_dim], or an
+        # MTP drafter's latent plane on a latent-attention target (models/deepseek_mtp.py)
+        self.kv = tuple(kv_cache.unbind(0))
         self.block_size = block_size
         self.device = device
         self.topk = topk         # candidates kept per drafting step (a tree: forward/draft_tree.py)
@@ -78,7 +82,8 @@ class Eagle3Proposer(Proposer):
         batch = build_forward_batch([r.next_tokens for r in rows], [r.start for r in rows],
                                     [r.block_ids for r in rows], self.block_size).to(self.device)
         self.backend.prepare(batch)
-        normed, recurrent = self.drafter(batch, aux.index_select(0, index.to(aux.device)), self.backend, self.kv)
+        hidden = self.drafter.from_target(aux.index_select(0, index.to(aux.device)))
+        normed, recurrent = self.drafter(batch, hidden, self.backend, self.kv)
         drafting = [i for i, r in enumerate(rows) if r.draft > 0]
         if not drafting:
             return
