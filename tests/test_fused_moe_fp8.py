@@ -33,6 +33,7 @@ def fp8_problem(tokens: int, experts: int, topk: int, hidden: int, inter: int, b
     w13 = 0.2 * torch.randn(experts, 2 * inter, hidden, generator=gen) * torch.rand(experts, 2 * inter, 1,
                                                                                    generator=gen) * 4
     w2 = 0.2 * torch.randn(experts, hidden, inter, generator=gen) * torch.rand(experts, 1, inter, generator=gen) * 4
+    w13[:, inter:] *= 3   # up's tiles scaled unlike gate's: swapping the two parts' scales is an error that shows
     w13_8, s13 = quantize_stacked(w13, block, parts=2)
     w2_8, s2 = quantize_stacked(w2, block, parts=1)
     ids = torch.stack([torch.randperm(experts, generator=gen)[:topk] for _ in range(tokens)])
@@ -61,6 +62,7 @@ SHAPES = [  # (experts, topk, hidden, inter, block, dtype)
     (8, 2, 64, 32, (16, 32), torch.float32),      # several scale tiles along every dim
     (6, 2, 48, 40, (16, 16), torch.float32),      # I off the tile: per-part tiles, short last tiles
     (8, 2, 64, 32, (128, 128), torch.bfloat16),   # the checkpoints' tile, bigger than the shapes
+    (8, 2, 64, 32, (16, 32), torch.bfloat16),
 ]
 
 
