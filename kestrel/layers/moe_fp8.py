@@ -21,10 +21,11 @@ scale tile (I_r a multiple of bn for w13's rows, of bk for w2's columns), or loa
 
 How a call runs (Fp8Experts):
 
-    CUDA, bf16/fp16 x, fused MoE on   kernels/triton/fused_moe.py with the scales: FP8 weight tiles read in the
+    CUDA, fused MoE on (default)      kernels/triton/fused_moe.py with the scales: FP8 weight tiles read in the
                                       kernel and widened to x's dtype with their tile's scale (W8A16), so the
                                       kernel multiplies exactly the dequantized weights the reference does
-    otherwise (CPU, float32 x)        dequantize every expert to x's dtype, then the float impl: the oracle
+    otherwise (CPU, KESTREL_FUSED_MOE=0)  every expert dequantized to x's dtype per call, then the float impl:
+                                      the oracle (correctness only: it writes all experts' float weights a call)
 """
 from __future__ import annotations
 
@@ -143,7 +144,7 @@ class Fp8Experts:
                  w13_scale: torch.Tensor | None = None, w2_scale: torch.Tensor | None = None) -> torch.Tensor:
         if w13_scale is None:   # experts the checkpoint leaves float
             return self.float_impl(x, w13, w2, topk_ids, topk_weights, silu_and_mul)
-        if self.kernel is not None and x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+        if self.kernel is not None and x.is_cuda:
             return self.kernel(x, w13, w2, topk_ids, topk_weights, silu_and_mul, w13_scale=w13_scale,
                                w2_scale=w2_scale, block=self.block)
         return fp8_experts_reference(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, self.block,
