@@ -22,7 +22,7 @@ interpreted_only = interpreted_only_marker("test_fused_moe_fp8_under_triton_inte
 @pytest.mark.slow   # a child pytest running the file's kernels in Triton's interpreter
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_fused_moe_fp8_under_triton_interpreter():
-    run_file_under_interpreter(__file__, min_passed=20)   # all but the launcher itself
+    run_file_under_interpreter(__file__, min_passed=26)   # all but the launcher and the rows path past 16 tokens
 
 
 def fp8_problem(tokens: int, experts: int, topk: int, hidden: int, inter: int, block: tuple[int, int],

@@ -38,8 +38,8 @@ from torch import nn
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
 from kestrel.kernels.fp8_quant import FP8, expand_block_scales, quantize_per_block
-from kestrel.layers.linear import Placement, _copy_checked, place_slice, take_slice
-from kestrel.layers.moe import ExpertsImpl, FusedExperts, StackedWeight
+from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
+from kestrel.layers.moe import ExpertsImpl, FusedExperts, StackedWeight, fused_experts_torch
 
 
 def dequantize_stacked(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int], parts: int) -> torch.Tensor:
@@ -156,9 +156,6 @@ def fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
                           block: tuple[int, int], silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None,
                           impl: ExpertsImpl | None = None) -> torch.Tensor:
     """The oracle: every expert dequantized to x's dtype, then the float experts (fused_experts_torch)."""
-    from kestrel.layers.moe import fused_experts_torch
-    from kestrel.layers.linear import silu_and_mul_torch
-
     impl = impl or fused_experts_torch
     w13f = dequantize_stacked(w13, w13_scale, block, parts=2).to(x.dtype)
     w2f = dequantize_stacked(w2, w2_scale, block, parts=1).to(x.dtype)
