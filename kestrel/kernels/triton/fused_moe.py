@@ -218,11 +218,16 @@ def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, strid
         w_mask = col_ok[:, None] & k_ok[None, :]
         wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0)
         wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0)
-        if FP8:   # a step may span several scale columns: each element's (row tile, column tile) scale
+        if FP8:   # a step may span several scale columns: each column's tile scale
             s_at = s_ptr + expert * stride_se + (ks // SCALE_BK)[None, :]
-            sg = tl.load(s_at + (cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask, other=0.0)
-            su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask,
-                         other=0.0)
+            if SCALE_BN % BLOCK_N == 0:   # the program's rows lie in one row tile: one [1, BLOCK_K] scale row
+                n_tile = (tl.program_id(1) * BLOCK_N) // SCALE_BN
+                sg = tl.load(s_at + n_tile * stride_sn, mask=k_ok[None, :], other=0.0)
+                su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + n_tile) * stride_sn, mask=k_ok[None, :], other=0.0)
+            else:   # each element's (row tile, column tile)
+                sg = tl.load(s_at + (cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask, other=0.0)
+                su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask,
+                             other=0.0)
             wg = _dequant(wg, sg, x_ptr.dtype.element_ty, RNE_BF16)
             wu = _dequant(wu, su, x_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(x_ptr + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
@@ -277,8 +282,14 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
         else:
             w = tl.load(w_rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
         if FP8:
-            sw = tl.load(s_ptr + experts[:, None, None] * stride_se + (cols // SCALE_BN)[None, :, None] * stride_sn
-                         + (ks // SCALE_BK)[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
+            if SCALE_BN % BLOCK_N == 0:   # the program's columns lie in one row tile: [BLOCK_S, 1, BLOCK_K] scales
+                n_tile = (tl.program_id(1) * BLOCK_N) // SCALE_BN
+                sw = tl.load(s_ptr + experts[:, None] * stride_se + n_tile * stride_sn + (ks // SCALE_BK)[None, :],
+                             mask=slot_ok[:, None] & k_ok[None, :], other=0.0)[:, None, :]
+            else:
+                sw = tl.load(s_ptr + experts[:, None, None] * stride_se + (cols // SCALE_BN)[None, :, None]
+                             * stride_sn + (ks // SCALE_BK)[None, None, :], mask=row_ok & k_ok[None, None, :],
+                             other=0.0)
             w = _dequant(w, sw, inter_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(a_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]
