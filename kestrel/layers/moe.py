@@ -54,7 +54,8 @@ from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.kernels.routing import Routing
 from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
 
-# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H]
+# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H];
+# FP8 experts' impl (layers/moe_fp8.py) also takes w13_scale= / w2_scale= and makes its weights (create_weights)
 ExpertsImpl = Callable[..., torch.Tensor]
 
 
