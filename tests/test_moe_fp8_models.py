@@ -58,11 +58,13 @@ def test_fp8_moe_checkpoint_keeps_fp8_experts_and_matches_hf_on_its_dequantized_
 
 def test_moe_block_named_in_modules_to_not_convert_keeps_float_experts(moe_checkpoint, tmp_path):
     """modules_to_not_convert naming one layer's MoE block leaves that layer's experts float (bf16/fp32 in the
-    file, float stacked weights in the model) and the other layers' FP8."""
+    file, float stacked weights in the model) and the other layers' FP8; naming a router (Qwen3-30B-A3B-FP8 lists
+    every model.layers.N.mlp.gate) leaves its experts FP8."""
     out = tmp_path / "fp8"
-    write_fp8_checkpoint(moe_checkpoint("qwen3_moe"), out, "hf", "block", (16, 32), ("model.layers.0.mlp",))
+    ignore = ("model.layers.0.mlp", "model.layers.2.mlp.gate")
+    write_fp8_checkpoint(moe_checkpoint("qwen3_moe"), out, "hf", "block", (16, 32), ignore)
     assert json.loads((out / "config.json").read_text())["quantization_config"]["modules_to_not_convert"] == [
-        "model.layers.0.mlp"]
+        *ignore]
     llm = LLM(model=str(out), device="cpu")
     try:
         experts = experts_of(llm)
