@@ -56,6 +56,7 @@ def test_fp8_moe_checkpoint_keeps_fp8_experts_and_matches_hf_on_its_dequantized_
         llm.shutdown()
 
 
+@pytest.mark.slow
 def test_moe_block_named_in_modules_to_not_convert_keeps_float_experts(moe_checkpoint, tmp_path):
     """modules_to_not_convert naming one layer's MoE block leaves that layer's experts float (bf16/fp32 in the
     file, float stacked weights in the model) and the other layers' FP8; naming a router (Qwen3-30B-A3B-FP8 lists
