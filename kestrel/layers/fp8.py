@@ -54,6 +54,7 @@ from kestrel.envs import switches
 from kestrel.errors import ModelLoadError
 from kestrel.kernels.fp8_quant import (FP8, dequantize, quantize_activations_per_token, quantize_per_row,
                                       quantize_per_tensor)
+from kestrel.layers.moe_fp8 import with_fp8_experts
 from kestrel.layers.ops import LayerOps
 from kestrel.layers.linear import (PLAIN, LinearBase, LinearMethod, Norm, Placement, _copy_checked, place_slice,
                                    take_slice)
@@ -333,5 +334,8 @@ def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[
 
 
 def with_fp8(ops: LayerOps, scheme: Fp8Scheme, device: torch.device) -> LayerOps:
-    """`ops` (a LayerOps) whose linear layers are FP8; the float ones keep ops' method."""
-    return replace(ops, linear_method=fp8_method(scheme, device, ops.linear_method))
+    """`ops` (a LayerOps) whose linear layers are FP8; the float ones keep ops' method. Block-FP8 checkpoints'
+    experts are FP8 too (layers/moe_fp8.py); an online (--quantization) or per-row/tensor scheme keeps them float."""
+    experts = ops.fused_moe if scheme.online else with_fp8_experts(ops.fused_moe, scheme.block, scheme.scale_name,
+                                                                   device)
+    return replace(ops, linear_method=fp8_method(scheme, device, ops.linear_method), fused_moe=experts)

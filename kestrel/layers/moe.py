@@ -37,6 +37,9 @@ rank that holds their experts and back (two all-to-alls a layer), and a rank's w
 the router sends to its experts, so the busiest rank sets the pace. Splitting every expert's width keeps every
 rank's work equal whatever the routing, needs only the all-reduce a dense MLP has, and runs the same kernels
 (torch or Triton) on narrower stacked weights.
+
+FP8 checkpoints (HF block "fp8"): the stacked weights stay FP8 with one scale per 128 x 128 tile beside them
+(layers/moe_fp8.py, whose Fp8Experts impl makes them at build and runs them).
 """
 from __future__ import annotations
 
@@ -51,7 +54,8 @@ from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.kernels.routing import Routing
 from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
 
-# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H]
+# (x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k], topk_weights [T, k] fp32, silu_and_mul) -> [T, H];
+# FP8 experts' impl (layers/moe_fp8.py) also takes w13_scale= / w2_scale= and makes its weights (create_weights)
 ExpertsImpl = Callable[..., torch.Tensor]
 
 
@@ -199,12 +203,27 @@ class FusedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int, impl: ExpertsImpl,
                  silu_and_mul: Callable[[torch.Tensor], torch.Tensor], tp: TPGroup = SINGLE) -> None:
         super().__init__()
-        self.w13 = StackedWeight(num_experts, 2 * intermediate_size, hidden_size, parts=2, tp_dim=0, tp=tp)
-        self.w2 = StackedWeight(num_experts, hidden_size, intermediate_size, parts=1, tp_dim=1, tp=tp)
+        self.num_experts, self.hidden_size, self.intermediate_size, self.tp = (num_experts, hidden_size,
+                                                                               intermediate_size, tp)
         self.impl = impl
         self.silu_and_mul = silu_and_mul
+        # an impl with its own weight layout (layers/moe_fp8.py: FP8 experts with tile scales) makes them
+        create = getattr(impl, "create_weights", None)
+        if create is not None:
+            create(self)
+        else:
+            self.make_float_weights()
+
+    def make_float_weights(self) -> None:
+        e, h, i, tp = self.num_experts, self.hidden_size, self.intermediate_size, self.tp
+        self.w13 = StackedWeight(e, 2 * i, h, parts=2, tp_dim=0, tp=tp)
+        self.w2 = StackedWeight(e, h, i, parts=1, tp_dim=1, tp=tp)
 
     def forward(self, x: torch.Tensor, routing: Routing) -> torch.Tensor:
+        scale13 = getattr(self.w13, "scale", None)   # FP8 experts: their tile scales go with them
+        if scale13 is not None:
+            return self.impl(x, self.w13.weight, self.w2.weight, routing.topk_ids, routing.topk_weights,
+                             self.silu_and_mul, w13_scale=scale13, w2_scale=self.w2.scale)
         return self.impl(x, self.w13.weight, self.w2.weight, routing.topk_ids, routing.topk_weights,
                          self.silu_and_mul)
 

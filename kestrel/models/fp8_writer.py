@@ -8,7 +8,8 @@
                         <module>.weight F8_E4M3, <module>.weight_scale F32 [out, 1] (channel), [1] (tensor) or
                         tiles (block); activations dynamic per token
 
-The decoder layers' projections (`model.layers.*_proj`) are quantized, except the modules in `ignore`; every
+The decoder layers' projections (`model.layers.*_proj`, MoE experts included: Qwen3-MoE's experts.{e}.*_proj,
+Mixtral's experts.{e}.w1/w2/w3) are quantized, except the modules in `ignore`; every
 other tensor (embeddings, norms, lm_head) is copied as it is. Each input file becomes an output file of the same
 name (a sharded checkpoint's index is rewritten with the scales). The tokenizer and generation files are copied;
 the source's model card (README.md) is not: a short card says what was quantized, from what, and how. Used by tests
@@ -17,6 +18,7 @@ and the GPU suite; `kestrel quantize` runs it.
 from __future__ import annotations
 
 import json
+import re
 import shutil
 from pathlib import Path
 
@@ -65,10 +67,21 @@ def model_card(src: Path, fmt: str, strategy: str, block: tuple[int, int], ignor
             "for its license, training and intended use.\n")
 
 
-def _quantized(name: str, tensor: torch.Tensor, ignore: tuple[str, ...]) -> bool:
+# Mixtral's experts are named w1 / w3 / w2 (gate / up / down), not *_proj; the router (mlp.gate,
+# block_sparse_moe.gate) is neither and stays float, as Qwen3-MoE-FP8 keeps it
+_MIXTRAL_EXPERT = re.compile(r".*\.experts\.\d+\.w[123]\.weight$")
+
+
+def _quantized(name: str, tensor: torch.Tensor, ignore: tuple[str, ...], strategy: str = "block") -> bool:
+    """The decoder's projections and, with block scales, every MoE expert's (the fused MoE kernel reads tile
+    scales; per-row / per-tensor experts stay float), unless `ignore` names the module, a dotted suffix of it, or
+    a module it is in (model.layers.0.mlp.experts: that block's experts)."""
     module = name.removesuffix(".weight")
-    return (name.startswith("model.layers.") and name.endswith("_proj.weight") and tensor.dim() == 2
-            and not any(module == m or module.endswith("." + m) for m in ignore))
+    if strategy != "block" and re.search(r"\.experts\.\d+\.", name):
+        return False
+    return (name.startswith("model.layers.") and (name.endswith("_proj.weight") or _MIXTRAL_EXPERT.match(name))
+            and tensor.dim() == 2
+            and not any(module == m or module.endswith("." + m) or module.startswith(m + ".") for m in ignore))
 
 
 def quantization_config(fmt: str, strategy: str, block: tuple[int, int], ignore: tuple[str, ...]) -> dict:
@@ -128,7 +141,7 @@ def write_fp8_checkpoint(src: Path, dst: Path, fmt: str = "hf", strategy: str | 
         with safe_open(str(path), framework="pt", device="cpu") as f:
             for name in f.keys():
                 tensor = f.get_tensor(name)
-                if _quantized(name, tensor, ignore):
+                if _quantized(name, tensor, ignore, strategy):
                     w8, scale_name, scale = _quantize(fmt, strategy, block, tensor.to(device))
                     out[name] = w8.contiguous().cpu()
                     out[f"{name.removesuffix('weight')}{scale_name}"] = scale.float().contiguous().cpu()

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -84,7 +84,9 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
                         stride_x, stride_we, stride_wn, stride_i,
                         TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                        DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                        s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
+                        SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:   # a tile past the last expert's run: no rows, nothing to write
@@ -107,6 +109,12 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
         w_mask = k_ok[:, None] & col_ok[None, :]
         wg = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=w_mask, other=0.0)
         wu = tl.load(w_base + (cols[None, :] + I) * stride_wn + ks[:, None], mask=w_mask, other=0.0)
+        if FP8:   # BLOCK_K divides SCALE_BK: one scale column this step; up's row tiles follow gate's
+            s_base = s_ptr + expert * stride_se + k0 // SCALE_BK
+            sg = tl.load(s_base + (cols // SCALE_BN) * stride_sn, mask=col_ok, other=0.0)
+            su = tl.load(s_base + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN) * stride_sn, mask=col_ok, other=0.0)
+            wg = _dequant(wg, sg[None, :], x_ptr.dtype.element_ty, RNE_BF16)
+            wu = _dequant(wu, su[None, :], x_ptr.dtype.element_ty, RNE_BF16)
         if DOT_FP32:
             a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
         gate += tl.dot(a, wg, input_precision=DOT_PRECISION)
@@ -123,7 +131,9 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
                      stride_i, stride_we, stride_wn, stride_o,
                      H: tl.constexpr, I: tl.constexpr,
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr):
+                     DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
+                     s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
+                     SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -144,6 +154,10 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
                     other=0.0)
         w = tl.load(w_base + cols[None, :] * stride_wn + ks[:, None], mask=k_ok[:, None] & col_ok[None, :],
                     other=0.0)
+        if FP8:
+            sw = tl.load(s_ptr + expert * stride_se + (cols // SCALE_BN) * stride_sn + k0 // SCALE_BK,
+                         mask=col_ok, other=0.0)
+            w = _dequant(w, sw[None, :], inter_ptr.dtype.element_ty, RNE_BF16)
         if DOT_FP32:
             a, w = a.to(tl.float32), w.to(tl.float32)
         acc += tl.dot(a, w, input_precision=DOT_PRECISION)
@@ -169,10 +183,18 @@ def _rounded(v, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _dequant(w8, scale, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
+    """FP8 weights times their tile's scale in float32, rounded once to dtype: exactly the reference's
+    dequantize(...).to(dtype) (layers/moe_fp8.py), so both multiply the same weights."""
+    return _rounded(w8.to(tl.float32) * scale, dtype, RNE_BF16).to(dtype)
+
+
+@triton.jit
 def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, stride_we, stride_wn, stride_i,
                              TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_BF16: tl.constexpr,
-                             USE_PDL: tl.constexpr):
+                             USE_PDL: tl.constexpr, s_ptr=None, stride_se=0, stride_sn=0,
+                             FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
     """inter[row, cols] for one (token, slot) row: its expert's BLOCK_N gate rows and BLOCK_N up rows against
     x[token], each weight row streamed contiguously along H.
 
@@ -196,6 +218,18 @@ def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, strid
         w_mask = col_ok[:, None] & k_ok[None, :]
         wg = tl.load(w_gate + ks[None, :], mask=w_mask, other=0.0)
         wu = tl.load(w_up + ks[None, :], mask=w_mask, other=0.0)
+        if FP8:   # a step may span several scale columns: each column's tile scale
+            s_at = s_ptr + expert * stride_se + (ks // SCALE_BK)[None, :]
+            if SCALE_BN % BLOCK_N == 0:   # the program's rows lie in one row tile: one [1, BLOCK_K] scale row
+                n_tile = (tl.program_id(1) * BLOCK_N) // SCALE_BN
+                sg = tl.load(s_at + n_tile * stride_sn, mask=k_ok[None, :], other=0.0)
+                su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + n_tile) * stride_sn, mask=k_ok[None, :], other=0.0)
+            else:   # each element's (row tile, column tile)
+                sg = tl.load(s_at + (cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask, other=0.0)
+                su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask,
+                             other=0.0)
+            wg = _dequant(wg, sg, x_ptr.dtype.element_ty, RNE_BF16)
+            wu = _dequant(wu, su, x_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(x_ptr + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
         gate += wg.to(tl.float32) * a[None, :]
         up += wu.to(tl.float32) * a[None, :]
@@ -211,7 +245,9 @@ def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, strid
 def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, stride_i, stride_we, stride_wn,
                               stride_o, TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                               BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                              RNE_BF16: tl.constexpr, USE_PDL: tl.constexpr):
+                              RNE_BF16: tl.constexpr, USE_PDL: tl.constexpr, s_ptr=None, stride_se=0,
+                              stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
+                              SCALE_BK: tl.constexpr = 1):
     """out[token, cols] = sum over the token's k slots of weight[slot] * (inter[row] @ W_down[expert].T)[cols].
 
     One program holds the token's k experts at once, a [BLOCK_S (slots), BLOCK_N (columns), BLOCK_K] tile a step:
@@ -245,6 +281,16 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
             w = first
         else:
             w = tl.load(w_rows + ks[None, None, :], mask=row_ok & k_ok[None, None, :], other=0.0)
+        if FP8:
+            if SCALE_BN % BLOCK_N == 0:   # the program's columns lie in one row tile: [BLOCK_S, 1, BLOCK_K] scales
+                n_tile = (tl.program_id(1) * BLOCK_N) // SCALE_BN
+                sw = tl.load(s_ptr + experts[:, None] * stride_se + n_tile * stride_sn + (ks // SCALE_BK)[None, :],
+                             mask=slot_ok[:, None] & k_ok[None, :], other=0.0)[:, None, :]
+            else:
+                sw = tl.load(s_ptr + experts[:, None, None] * stride_se + (cols // SCALE_BN)[None, :, None]
+                             * stride_sn + (ks // SCALE_BK)[None, None, :], mask=row_ok & k_ok[None, None, :],
+                             other=0.0)
+            w = _dequant(w, sw, inter_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(a_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         acc += w.to(tl.float32) * a[:, None, :]
     dtype = inter_ptr.dtype.element_ty
@@ -257,44 +303,57 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, silu_and_mul: Callable | None = None,
                          path: str | None = None, tiles: MoeTiles | None = None,
-                         row_config: RowTiles | None = None) -> torch.Tensor:
+                         row_config: RowTiles | None = None, w13_scale: torch.Tensor | None = None,
+                         w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None
+                         ) -> torch.Tensor:
     """fused_experts_torch's contract in two launches: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k],
     topk_weights [T, k] -> [T, H] in x's dtype. silu_and_mul is accepted for the common signature and unused
     (the first kernel applies it). path: "rows" | "tiles" (None: rows up to ROWS_PATH_MAX (token, slot) rows);
     tiles: the tiles path's launch shape (None: `moe_tiles`, the tuned table for this shape and device, by T);
-    row_config: the rows path's (None: `row_tiles`)."""
+    row_config: the rows path's (None: `row_tiles`).
+
+    FP8 experts (layers/moe_fp8.py): w13 / w2 float8_e4m3fn with w13_scale [E, 2 ceil(I / bn), ceil(H / bk)] and
+    w2_scale [E, ceil(H / bn), ceil(I / bk)] for block = (bn, bk). Each weight tile is widened to x's dtype with its
+    tile's scale as it is read (W8A16), the same roundings as the dequantized reference; the tiles path's K steps
+    are cut to divide bk, so one step reads one scale column."""
     num_tokens, topk = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter_size = two_i // 2
     num_rows = num_tokens * topk
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
+    fp8 = _fp8_args(w13, w2, w13_scale, w2_scale, block)
     path = path or ("rows" if num_rows <= ROWS_PATH_MAX else "tiles")
     if path == "rows":
-        return _experts_by_rows(x, w13, w2, topk_ids, topk_weights, row_config)
+        return _experts_by_rows(x, w13, w2, topk_ids, topk_weights, row_config, fp8)
     if path != "tiles":
         raise ValueError(f"path {path!r}: expected rows or tiles")
     t = tiles or moe_tiles(num_tokens, num_experts, inter_size, hidden, topk, x.device)
+    if fp8:
+        t = _steps_within_scale_tiles(t, block[1])
     sorted_rows, tile_expert = align_by_expert(topk_ids, num_experts, t.block_m)
     grid_tiles = tile_expert.numel()
     dots = dict(DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    f13 = _fp8_kernel_args(fp8, "w13", x)
+    f2 = _fp8_kernel_args(fp8, "w2", x)
     launch = dict(num_warps=t.num_warps, num_stages=t.num_stages)
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(grid_tiles, triton.cdiv(inter_size, t.block_n))](
         x, w13, sorted_rows, tile_expert, inter, num_rows, x.stride(0), w13.stride(0), w13.stride(1),
         inter.stride(0), TOPK=topk, H=hidden, I=inter_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
-        BLOCK_K=t.block_k, **dots, **launch)
+        BLOCK_K=t.block_k, **dots, **launch, **f13)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
     _moe_down_kernel[(grid_tiles, triton.cdiv(hidden, t.down_block_n))](
         inter, w2, sorted_rows, tile_expert, weights, rows_out, num_rows, inter.stride(0), w2.stride(0),
         w2.stride(1), rows_out.stride(0), H=hidden, I=inter_size, BLOCK_M=t.block_m, BLOCK_N=t.down_block_n,
-        BLOCK_K=t.down_block_k, **dots, **launch)
+        BLOCK_K=t.down_block_k, **dots, **launch, **f2)
     return rows_out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
 
 
 def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
-                     topk_weights: torch.Tensor, tiles: RowTiles | None = None) -> torch.Tensor:
+                     topk_weights: torch.Tensor, tiles: RowTiles | None = None, fp8: dict | None = None
+                     ) -> torch.Tensor:
     """The decode path (module docstring): no alignment; a matrix-vector product per (token, slot) row, then one
     per (token, column block) over the token's k experts that writes the weighted sum in x's dtype."""
     num_tokens, topk = topk_ids.shape
@@ -310,15 +369,55 @@ def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_rows_kernel[(num_rows, triton.cdiv(inter_size, t.up_n))](
         x, w13, ids, inter, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOPK=topk, H=hidden,
-        I=inter_size, BLOCK_N=t.up_n, BLOCK_K=t.up_k, RNE_BF16=rne, num_warps=t.up_warps, **launch_options(x.device))
+        I=inter_size, BLOCK_N=t.up_n, BLOCK_K=t.up_k, RNE_BF16=rne, num_warps=t.up_warps, **launch_options(x.device),
+        **_fp8_kernel_args(fp8, "w13", x, tiles_kernel=False))
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():   # the router's are both: no copy
         weights = weights.float().contiguous()
     _moe_down_sum_rows_kernel[(num_tokens, triton.cdiv(hidden, t.down_n))](
         inter, w2, ids, weights, out, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOPK=topk,
         H=hidden, I=inter_size, BLOCK_S=max(2, triton.next_power_of_2(topk)), BLOCK_N=t.down_n,
-        BLOCK_K=t.down_k, RNE_BF16=rne, num_warps=t.down_warps, **launch_options(x.device))
+        BLOCK_K=t.down_k, RNE_BF16=rne, num_warps=t.down_warps, **launch_options(x.device),
+        **_fp8_kernel_args(fp8, "w2", x, tiles_kernel=False))
     return out
+
+
+def _fp8_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
+              block: tuple[int, int] | None) -> dict | None:
+    """The FP8 experts' scales (contiguous float32) and tile, checked against the weights; None for float ones."""
+    if w13_scale is None:
+        assert w13.dtype != torch.float8_e4m3fn, "FP8 experts need their scales (w13_scale, w2_scale, block)"
+        return None
+    assert w13.dtype == w2.dtype == torch.float8_e4m3fn and w2_scale is not None and block is not None
+    bn, bk = block
+    inter, hidden = w2.shape[2], w2.shape[1]
+    assert tuple(w13_scale.shape) == (w13.shape[0], 2 * -(-inter // bn), -(-hidden // bk)), w13_scale.shape
+    assert tuple(w2_scale.shape) == (w2.shape[0], -(-hidden // bn), -(-inter // bk)), w2_scale.shape
+    return dict(w13=w13_scale.float().contiguous(), w2=w2_scale.float().contiguous(), block=block)
+
+
+def _fp8_kernel_args(fp8: dict | None, which: str, x: torch.Tensor, tiles_kernel: bool = True) -> dict:
+    """A kernel's FP8 keyword arguments (none for float experts: the kernels' defaults compile the float road).
+    The tiles kernels take RNE_BF16 here (the rows kernels already pass it)."""
+    if fp8 is None:
+        return {}
+    scale = fp8[which]
+    args = dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), FP8=True,
+                SCALE_BN=fp8["block"][0], SCALE_BK=fp8["block"][1])
+    if tiles_kernel:
+        args["RNE_BF16"] = _interpreted() and x.dtype == torch.bfloat16
+    return args
+
+
+def _steps_within_scale_tiles(t: MoeTiles, bk: int) -> MoeTiles:
+    """Tiles whose K steps divide the scale tile's width bk, so each step multiplies by one scale column (a
+    tuned 256-wide step becomes 128 at DeepSeek / Qwen3-FP8's 128); tl.dot needs K steps of at least 16."""
+    def fit(k: int) -> int:
+        while k > 16 and bk % k:
+            k //= 2
+        assert bk % k == 0, f"FP8 block width {bk} has no K step of 16 or more dividing it"
+        return k
+    return replace(t, block_k=fit(t.block_k), down_block_k=fit(t.down_block_k))
 
 
 @dataclass(frozen=True)
