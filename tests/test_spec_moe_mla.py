@@ -133,7 +133,7 @@ def test_chunked_prefill_prefix_cache_and_preemption(target_and_drafter, name, t
     target, drafter = target_and_drafter(name)
     prompts = PROMPTS * 2
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=48)
+    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=40)
     want = token_ids(LLM(model=str(target), **kw).generate(prompts, params))
     llm = LLM(model=str(target), speculative_config=eagle3(drafter, topk), **kw)
     for _ in range(2):

@@ -302,7 +302,7 @@ def test_chunked_prefill_prefix_cache_and_preemption_keep_the_tokens(mtp_checkpo
     drafter never computed (gaps in its cache: lower acceptance, never other tokens), sequences preempted."""
     prompts = PROMPTS * 2
     params = SamplingParams(max_tokens=32, temperature=0, ignore_eos=True)
-    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=48)
+    kw = dict(device="cpu", block_size=4, max_num_batched_tokens=16, num_gpu_blocks_override=40)
     want = token_ids(LLM(model=str(mtp_checkpoint), **kw).generate(prompts, params))
     llm = LLM(model=str(mtp_checkpoint), speculative_config=mtp(), **kw)
     for _ in range(2):

@@ -5,6 +5,12 @@ unfinished prefill its next chunk); waiting sequences are admitted FIFO with wha
 prefill chunks and decodes share a step. When a running sequence needs a block and none is free, the most
 recently admitted running sequence is preempted: its blocks are freed and it is recomputed later from its
 tokens (prompt + output so far), which yields the same tokens.
+
+A waiting sequence holds no blocks. A prefix match lends an admitted sequence the cached blocks of its head; when
+the blocks for the rest of its first chunk cannot be found, the match is given back at once. Were the waiting
+sequence to keep it, the blocks would be pinned by a sequence that is not running: with a small cache a preempted
+sequence re-matching its own prompt could hold what the running ones need, and they would preempt each other
+forever while it waits (a livelock, found with 8 sequences on 40 blocks of 4 tokens).
 """
 from __future__ import annotations
 
@@ -81,10 +87,13 @@ class Scheduler:
             if self._waits_for_sibling(seq):
                 skipped.append(self.waiting.popleft())
                 continue
-            if seq.num_computed_tokens == 0 and not seq.block_ids:
+            matched = seq.num_computed_tokens == 0 and not seq.block_ids
+            if matched:
                 self._match_prefix(seq)
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.grow(seq, seq.num_computed_tokens + num_new):
+                if matched:   # a waiting sequence holds no blocks (module docstring): the match is undone
+                    self._unmatch(seq)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -111,6 +120,13 @@ class Scheduler:
             seq.num_computed_tokens = match.num_tokens
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = match.num_tokens
+
+    def _unmatch(self, seq: Sequence) -> None:
+        """Give back the cached blocks a prefix match lent a sequence that could not be admitted after all (the
+        tree keeps them, so the next try matches them again)."""
+        self.pool.release(seq.block_ids)
+        seq.block_ids = []
+        seq.num_computed_tokens = 0
 
     def grow(self, seq: Sequence, num_tokens: int) -> bool:
         """Make sure the sequence owns blocks for num_tokens tokens; evict cached prefixes before failing (never

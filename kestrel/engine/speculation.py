@@ -141,7 +141,8 @@ class SpeculativeDecoding:
         if sched.waiting or not sched.running:
             return False
         seqs = sched.running
-        if any(s.num_computed_tokens != s.num_tokens - 1 for s in seqs):   # a prompt is still being prefilled
+        # a prompt still being prefilled (a chunk may have stopped one token short of its end: no output yet)
+        if any(s.num_computed_tokens != s.num_tokens - 1 or not s.output_token_ids for s in seqs):
             return False
         graphs = self.runner.verify_graphs
         if graphs is not None and len(seqs) > graphs.max_bs:   # past the verify graphs verification is
