@@ -170,7 +170,7 @@ def test_qwen3_with_reference_prologue_gives_the_unfused_greedy_tokens(checkpoin
     calls = []
     for layer in runner.model.layers:
         assert layer.self_attn.q_norm is not None and layer.self_attn.prologue is None
-        layer.self_attn.prologue = lambda *a, _f=qk_norm_rope_store_ref: calls.append(1) or _f(*a)
+        layer.self_attn.prologue = lambda *a, _f=qk_norm_rope_store_ref, **kw: calls.append(1) or _f(*a, **kw)
     fused = llm.generate(prompts, params)
     assert [o.outputs[0].token_ids for o in fused] == [o.outputs[0].token_ids for o in plain]
     assert len(calls) > 2 * 10     # every layer of every step went through the prologue
