@@ -77,7 +77,8 @@ def warm_up(runner: ModelRunner, block_size: int, max_tokens: int = 0, max_model
     if full and max_tokens and max_model_len:
         steps = [s for s in warm_up_steps(block_size, max_tokens, max_model_len) if not runner.replays(s)]
     else:
-        steps = [[SequenceChunk(-1, [0, 0], 0, [0])], [SequenceChunk(-1, [0], 2, [0])]]
+        blocks = list(range(-(-3 // block_size)))   # positions 0 .. 2
+        steps = [[SequenceChunk(-1, [0, 0], 0, blocks)], [SequenceChunk(-1, [0], 2, blocks)]]
     num_blocks = runner.kv_cache.shape[2]
     for chunks in steps:
         for chunk in chunks:
