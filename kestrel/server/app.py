@@ -47,6 +47,7 @@ from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
     check_sequences, run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
+from kestrel.server.structured import structured_output
 
 logger = logging.getLogger("kestrel.server")
 
@@ -190,6 +191,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         completions.check_unsupported(req)
         check_sequences(completions.num_prompts(req), req.n)
         params = sampling_params(req, completions.max_tokens(req), req.logprobs)
+        params.structured_output = await structured_output(req)
         trace.parsed = time.monotonic()
         try:
             prompts = await _tokenize(completions.prompt_token_ids, req, state.engine.tokenizer,
@@ -211,6 +213,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         check_model(req.model, state.model_name)
         check_sequences(1, req.n)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
+        params.structured_output = await structured_output(req)
         trace.parsed = time.monotonic()
         try:
             prompt = await _tokenize(chat.prompt_token_ids, req, state.engine.tokenizer)
