@@ -181,3 +181,39 @@ def test_fifty_requests_per_mode_with_speculation(method, drafter_dir):
     for mode in BOUNDED:
         assert all(c.finish_reason == "stop" for c in by_mode[mode]), mode
     assert spec.engine.spec.counters.num_draft_tokens > 0
+
+
+def _greedy_constrained_runs(llm: LLM) -> tuple[list[str], list[SamplingParams], list]:
+    prompts = [f"Answer {i} as {m}:" for i, m in enumerate(BOUNDED)]
+    plist = [params(m, temperature=0) for m in BOUNDED]
+    return prompts, plist, llm.generate(prompts, plist)
+
+
+def test_drafts_of_the_constrained_continuation_are_all_accepted(llm):
+    """A drafter that knows the constrained greedy output: every draft passes the masks computed along the drafts
+    (a mask from a wrong grammar state would reject one, or change the output)."""
+    from tests.test_speculative import K, OracleProposer
+
+    prompts, plist, plain = _greedy_constrained_runs(llm)
+    spec = LLM(device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": K, "adaptive": False})
+    spec.engine.spec.proposer = OracleProposer([o.prompt_token_ids + o.outputs[0].token_ids for o in plain])
+    got = spec.generate(prompts, plist)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    c = spec.engine.spec.counters
+    assert c.num_draft_tokens > 20 and c.num_accepted_tokens == c.num_draft_tokens, c
+
+
+def test_tree_drafts_are_masked_along_each_path(llm, drafter_dir):
+    """EAGLE-3 trees: the true token at rank 1 of each step, wrong ones beside it; each node's row is masked after
+    its own path from the root, and the output is the constrained greedy output."""
+    from tests.test_spec_tree import RunnerUpOracle, tree_config
+
+    prompts, plist, plain = _greedy_constrained_runs(llm)
+    spec = LLM(device="cpu", speculative_config=tree_config(drafter_dir))
+    vocab = spec.engine.model_config.vocab_size
+    spec.engine.spec.proposer = RunnerUpOracle([o.prompt_token_ids + o.outputs[0].token_ids for o in plain], 1,
+                                               vocab)
+    got = spec.generate(prompts, plist)
+    assert [o.outputs[0].token_ids for o in got] == [o.outputs[0].token_ids for o in plain]
+    c = spec.engine.spec.counters
+    assert c.num_drafts > 0 and c.accepted_per_pos[0] == c.num_drafts, c
