@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import re
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -32,7 +32,7 @@ class Paint(BaseModel):           # enums and booleans
 
 class Readings(BaseModel):        # an array of bounded integers
     model_config = ConfigDict(extra="forbid")
-    values: list[int] = Field(min_length=1, max_length=4)
+    values: list[Annotated[int, Field(ge=-50, le=150)]] = Field(min_length=1, max_length=4)
     unit: Literal["C", "F"]
 
 
