@@ -59,3 +59,16 @@ def check(mode: str, text: str) -> None:
         assert re.fullmatch(REGEX, text), text
     else:
         assert text in CHOICES, text
+
+
+def check_completion(llm, mode: str, completion) -> None:
+    """A finished output is what its mode allows. An output cut by max_tokens ("length") is allowed only for
+    json_object (its strings and members are unbounded), and must still be a prefix the grammar accepts."""
+    if completion.finish_reason == "stop":
+        check(mode, completion.text)
+        return
+    assert completion.finish_reason == "length" and mode == "json_object", (mode, completion.text)
+    import xgrammar as xgr
+
+    matcher = xgr.GrammarMatcher(llm.engine.grammar_compiler.compile(modes()[mode]))
+    assert all(matcher.accept_token(t) for t in completion.token_ids), completion.text

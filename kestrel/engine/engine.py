@@ -31,6 +31,7 @@ from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
 from kestrel.structured.compiler import GrammarCompiler, tokenizer_info
+from kestrel.structured.grammar import validate as validate_structured_output
 from kestrel.structured.matcher import SequenceGrammar, plain_bitmask
 
 logger = logging.getLogger("kestrel.engine")
@@ -129,6 +130,8 @@ class Engine:
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise KestrelError for a request that could never run; the server maps it to HTTP 400."""
         self.limits.check_prompt(prompt_token_ids, params)
+        if params.structured_output is not None:
+            validate_structured_output(params.structured_output)   # a grammar xgrammar cannot build (cached)
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.get(request_id, []):

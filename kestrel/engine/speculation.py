@@ -273,11 +273,12 @@ class SpeculativeDecoding:
         root). Verification then checks every draft against the masked distribution, so greedy output is the
         token-for-token output of constrained decoding without speculation, and sampled output its distribution;
         a draft the grammar forbids has probability 0 and is rejected. The matcher walks each path and rolls back."""
-        rows, paths, owners = [], [], []
-        for b, seq in enumerate(seqs):
-            if seq.grammar is None:
-                continue
+        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
+        rows = [b * q + j for b in constrained for j in range(q)]
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)   # every token allowed: a padding row's mask
+        for i, b in enumerate(constrained):
             d = drafts[b]
+            mine, paths = [], []
             for j in range(q):
                 if self.tree is None:
                     path = d[:j] if j <= len(d) else None        # past the drafts: padding, never read
@@ -285,13 +286,10 @@ class SpeculativeDecoding:
                     path = []
                 else:
                     path = self._tree_path(d, j - 1) if d else None
-                rows.append(b * q + j)
-                paths.append(path)
-                owners.append(seq.grammar)
-        bitmask = allocate_bitmask(len(rows), self.vocab_size)   # every token allowed: a padding row's mask
-        for grammar in dict.fromkeys(owners):
-            mine = [(k, p) for k, (g, p) in enumerate(zip(owners, paths)) if g is grammar and p is not None]
-            grammar.fill_along(bitmask, [k for k, _ in mine], [p for _, p in mine])
+                if path is not None:
+                    mine.append(i * q + j)
+                    paths.append(path)
+            seqs[b].grammar.fill_along(bitmask, mine, paths)
         apply_token_bitmask(logits, bitmask, rows)
 
     def _tree_path(self, nodes: list[int], i: int) -> list[int]:
