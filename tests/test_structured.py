@@ -69,13 +69,15 @@ def test_bitmask_masks_exactly_the_forbidden_tokens_of_the_named_rows():
     assert torch.isinf(got[1]).any() and torch.isinf(got[3]).any()
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] if m in SCHEMAS or m == "json_object"
+                                               else []) for m in MODES])
 def test_each_mode_alone(llm, mode):
     for seed in range(3):
         out = llm.generate("Give me an answer:", params(mode, seed=seed))[0].outputs[0]
         check_completion(llm, mode, out)
 
 
+@pytest.mark.slow
 def test_every_mode_batched_with_unconstrained_rows_leaves_those_rows_alone(llm):
     plain = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
     prompts = ["The quick brown fox", "def fibonacci(n):"]
@@ -126,6 +128,7 @@ def test_a_bad_constraint_is_an_error_naming_it(llm, so, words):
     assert not llm.engine.has_unfinished()
 
 
+@pytest.mark.slow
 def test_preemption_and_the_prefix_cache_keep_greedy_constrained_output():
     """A tiny KV cache preempts (recompute: the grammar keeps its place, the output tokens stay); a shared prompt
     prefix hits the cache. Same tokens as a roomy engine."""
@@ -142,6 +145,7 @@ def test_preemption_and_the_prefix_cache_keep_greedy_constrained_output():
         check(mode, out.outputs[0].text)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_greedy_constrained_output_is_identical_with_speculation(method, drafter_dir, llm):
     prompts = [f"Answer {i} as {m}:" for i, m in enumerate(BOUNDED)] * 2
@@ -163,6 +167,17 @@ def test_fifty_requests_per_mode_batched(llm):
 
 
 @pytest.mark.slow
+def test_fifty_requests_per_mode_one_at_a_time(llm):
+    closed = 0
+    for mode in MODES:
+        for i in range(50):
+            c = llm.generate(f"Request {i}: answer as {mode}.", params(mode, seed=i))[0].outputs[0]
+            check_completion(llm, mode, c)
+            closed += mode == "json_object" and c.finish_reason == "stop"
+    assert closed >= 35
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("method", ["ngram", "eagle3"])
 def test_fifty_requests_per_mode_with_speculation(method, drafter_dir):
     spec = LLM(device="cpu", speculative_config=spec_configs(drafter_dir)[method])
@@ -178,6 +193,7 @@ def _greedy_constrained_runs(llm: LLM) -> tuple[list[str], list[SamplingParams],
     return prompts, plist, llm.generate(prompts, plist)
 
 
+@pytest.mark.slow
 def test_drafts_of_the_constrained_continuation_are_all_accepted(llm):
     """A drafter that knows the constrained greedy output: every draft passes the masks computed along the drafts
     (a mask from a wrong grammar state would reject one, or change the output)."""
@@ -192,6 +208,7 @@ def test_drafts_of_the_constrained_continuation_are_all_accepted(llm):
     assert c.num_draft_tokens > 20 and c.num_accepted_tokens == c.num_draft_tokens, c
 
 
+@pytest.mark.slow
 def test_tree_drafts_are_masked_along_each_path(llm, drafter_dir):
     """EAGLE-3 trees: the true token at rank 1 of each step, wrong ones beside it; each node's row is masked after
     its own path from the root, and the output is the constrained greedy output."""

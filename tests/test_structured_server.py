@@ -55,7 +55,8 @@ FORMS = {
 }
 
 
-@pytest.mark.parametrize("form", list(FORMS))
+@pytest.mark.parametrize("form", [pytest.param(f, marks=[] if f in ("guided_choice", "sglang regex")
+                                               else [pytest.mark.slow]) for f in FORMS])
 def test_every_field_form_constrains_chat_and_completions(server, form):
     fields, ok = FORMS[form]
     chat = httpx.post(f"{server.url}/v1/chat/completions", timeout=120, json={
@@ -81,6 +82,7 @@ def test_response_format_text_is_unconstrained(server):
     assert r.status_code == 200, r.text
 
 
+@pytest.mark.slow
 def test_openai_client_parse_returns_the_pydantic_model(client):
     completion = client.beta.chat.completions.parse(
         model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Describe a paint."}],
@@ -90,6 +92,7 @@ def test_openai_client_parse_returns_the_pydantic_model(client):
     assert message.parsed == Paint.model_validate_json(message.content)
 
 
+@pytest.mark.slow
 def test_a_constrained_stream_parses_once_joined(client):
     stream = client.chat.completions.create(
         model=client.models.list().data[0].id, messages=[{"role": "user", "content": "Describe a person."}],
@@ -103,6 +106,7 @@ def test_a_constrained_stream_parses_once_joined(client):
     check("person", text)
 
 
+@pytest.mark.slow
 def test_a_batch_of_constrained_requests_at_once(server):
     """Many requests in flight together through the HTTP path (continuous batching, n > 1)."""
     import concurrent.futures
