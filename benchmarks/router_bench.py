@@ -48,7 +48,8 @@ def run_policy(policy: str, args: argparse.Namespace, serve_flags: list[str]) ->
              "--device", args.device, "--disable-log-requests", "--disable-log-stats", *serve_flags]
     cfg = ReplicaConfig(serve_command=tuple(serve), replicas=args.replicas, replica_port=base + 1, router="smg",
                         router_port=base, policy=policy, gpus_per_replica=args.gpus_per_replica,
-                        router_args=("--log-level", "warn"), log_dir=args.log_dir, ready_timeout_s=900)
+                        router_args=("--log-level", "warn"), log_dir=args.log_dir, ready_timeout_s=900,
+                        fill_model=False)   # the bench names the model: smg alone, as in the published figures
     dataset = DatasetConfig(name="shared-prefix", num_groups=args.num_groups,
                             prompts_per_group=args.prompts_per_group, prefix_len=args.prefix_len,
                             suffix_len=args.suffix_len, output_len=args.output_len)

@@ -123,6 +123,20 @@ def profile_steps(engine, steps: int, cuda: bool, top: int = 30) -> dict:
                      "name": name[:140]} for us, n, name in events[:top]]}
 
 
+def with_fp8_block_config(model_dir: Path) -> Path:
+    """A copy of model_dir whose config.json declares HF FP8 with 128 x 128 weight tiles (dummy weights then load
+    as FP8 with tile scales)."""
+    import shutil
+
+    dst = model_dir.with_name(model_dir.name + "-fp8-block")
+    shutil.copytree(model_dir, dst, dirs_exist_ok=True)
+    cfg = json.loads((dst / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128]}
+    (dst / "config.json").write_text(json.dumps(cfg, indent=1))
+    return dst
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shape", default="llama-3.1-8b", choices=sorted(SHAPES))
@@ -131,6 +145,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--steps", type=int, default=8)
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--workdir", default="/tmp/kestrel-bench")
+    ap.add_argument("--fp8-block", action="store_true", help="the shape as an HF FP8 checkpoint with 128 x 128 "
+                    "weight tiles (dummy FP8 weights; activations dynamic), as vLLM's peer recipe serves it")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     from kestrel.bench.fresh import FreshPrompts, cache_counters, hit_rate_fields
@@ -141,7 +157,9 @@ def main(argv: list[str] | None = None) -> int:
     cuda = args.device.startswith("cuda")
     cfg = SHAPES[args.shape]
     model_dir = write_config_only(args.shape, Path(args.workdir) / f"{args.shape}-dummy")
-    report: dict = {"shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "device": args.device,
+    if args.fp8_block:
+        model_dir = with_fp8_block_config(model_dir)
+    report: dict = {"fp8_block": args.fp8_block, "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "device": args.device,
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if cuda:
         report["gpu"] = torch.cuda.get_device_name()

@@ -65,6 +65,8 @@ def main(argv: list[str] | None = None) -> int:
     # Kestrel's INFO lines are its progress; torch's (e.g. its exit-time cache statistics, once the server's
     # tokenizer thread has imported transformers and so torch) are not for users
     logging.getLogger("torch").setLevel(logging.WARNING)
+    # nor is a line per HTTP request huggingface_hub makes for a Hub id (its progress is models/hub.py's lines)
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     parser, modules = build_parser()
     args = parser.parse_args(argv)
     try:

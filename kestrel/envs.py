@@ -12,6 +12,8 @@ tests that change one call `switches.cache_clear()`.
     KESTREL_CLUSTER_DECODE=1     the thread-block-cluster decode attention kernel for small bf16 batches on Hopper
     KESTREL_CLUSTER_DECODE_MMA=auto   its tensor-core build: auto (groups of 4 and more), 0, 1
     KESTREL_FUSED_MOE=1          0: the torch experts instead of the fused Triton MoE kernels (kernels/triton/fused_moe.py)
+    KESTREL_FP8_BLOCK_GEMM=w8a8  FP8 tile-scaled matmuls above 16 rows: w8a8 (activations quantized in the kernel,
+                                 FP8 tensor cores), w8a16 (FP8 weights widened to bf16 in registers, as before)
     CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
     XDG_CACHE_HOME=~/.cache      where NVRTC's cubins are kept between runs (kestrel/nvrtc), beside other tools'
 """
@@ -54,6 +56,7 @@ class DevSwitches:
     cluster_decode: bool = True
     cluster_decode_mma: str = "auto"
     fused_moe: bool = True
+    fp8_block_gemm: str = "w8a8"
     cuda_home: str = "/usr/local/cuda"
 
 
@@ -67,6 +70,7 @@ def switches() -> DevSwitches:
         cluster_decode=_flag("KESTREL_CLUSTER_DECODE", True),
         cluster_decode_mma=_choice("KESTREL_CLUSTER_DECODE_MMA", "auto", ("auto", "0", "1")),
         fused_moe=_flag("KESTREL_FUSED_MOE", True),
+        fp8_block_gemm=_choice("KESTREL_FP8_BLOCK_GEMM", "w8a8", ("w8a8", "w8a16")),
         cuda_home=os.environ.get("CUDA_HOME", "/usr/local/cuda"),
     )
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from kestrel.config import add_engine_args, config_from_args
+from kestrel.config import add_engine_args, engine_kwargs
 from kestrel.sampling_params import SamplingParams
 
 
@@ -27,11 +27,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     from kestrel.llm import LLM
 
-    config = config_from_args(args)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, top_p=args.top_p,
                             top_k=args.top_k, min_p=args.min_p, seed=args.seed, n=args.n, stop=args.stop,
                             ignore_eos=args.ignore_eos)
-    llm = LLM(**{f: getattr(config, f) for f in config.__slots__})
+    llm = LLM(**engine_kwargs(args))   # builds the config, fetching Hub ids once
     prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}]) if args.chat else p
                for p in args.prompt]
     streamed = len(prompts) == 1 and args.n == 1

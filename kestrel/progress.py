@@ -29,10 +29,14 @@ def _fmt(value: float, unit: str) -> str:
 
 class Progress:
     """Thread-safe phase tracker; log_interval_s throttles the per-update log lines. `clock` (seconds, monotonic)
-    is time.monotonic; tests pass a fake one."""
+    is time.monotonic; tests pass a fake one. `log`: where the lines go (default kestrel.startup); `detail`, when
+    set, is appended to the next lines (a training loss) and cleared by begin()."""
 
-    def __init__(self, log_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, log_interval_s: float = 1.0, clock: Callable[[], float] = time.monotonic,
+                 log: logging.Logger | None = None) -> None:
         self._lock = threading.Lock()
+        self._log = log or logger
+        self.detail = ""
         self.clock = clock
         self.log_interval_s = log_interval_s
         self.start_time = clock()
@@ -53,8 +57,9 @@ class Progress:
             self.phase, self.total, self.done, self.unit = phase, total, 0.0, unit
             self.phase_start = self.last_progress_time = now
             self._last_log = now
+            self.detail = ""
         total_s = f" ({_fmt(total, unit)})" if total else ""
-        logger.info("phase: %s%s", phase.replace("_", " "), total_s)
+        self._log.info("phase: %s%s", phase.replace("_", " "), total_s)
 
     def update(self, done: float) -> None:
         with self._lock:
@@ -65,7 +70,7 @@ class Progress:
                 return
             self._last_log = now
             line = self._describe(now)
-        logger.info(line)
+        self._log.info(line)
 
     def ready(self) -> None:
         self.begin("ready")
@@ -89,6 +94,8 @@ class Progress:
         text += f", {_fmt(rate, self.unit)}/s"
         if self.total and rate > 0:
             text += f", ETA {max(self.total - self.done, 0) / rate:.0f} s"
+        if self.detail:
+            text += f", {self.detail}"
         return text
 
 

@@ -13,6 +13,7 @@ import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from kestrel.errors import KestrelError
 
@@ -98,9 +99,11 @@ def normalize_method(name: str) -> str:
     return name.strip().strip("[]").lower().replace("-", "").replace("_", "")
 
 
-def parse_speculative_json(value: str | dict, default_drafter: str | None = None) -> SpeculativeConfig:
+def parse_speculative_json(value: str | dict, default_drafter: str | None = None,
+                           resolve_drafter: Callable[[str], str] | None = None) -> SpeculativeConfig:
     """vLLM's --speculative-config (a JSON object) or `LLM(speculative_config={...})`, plus Kestrel's keys.
-    default_drafter: the drafter eagle3 uses when "model" is not given (the default model ships one)."""
+    default_drafter: the drafter eagle3 uses when "model" is not given (the default model ships one);
+    resolve_drafter: a named drafter -> its directory (a Hub id -> its snapshot)."""
     value = _json_object(value)
     unknown = sorted(set(value) - set(JSON_KEYS))
     if unknown:
@@ -128,7 +131,23 @@ def parse_speculative_json(value: str | dict, default_drafter: str | None = None
         fields["num_speculative_tokens"] = DEFAULT_SPECULATIVE_TOKENS
     if fields["method"] == "eagle3" and not fields.get("model"):
         fields["model"] = default_drafter
+    elif fields["method"] == "eagle3" and resolve_drafter is not None and isinstance(fields["model"], str):
+        fields["model"] = resolve_drafter(fields["model"])
     return SpeculativeConfig(**fields)
+
+
+def drafter_name(speculative_config: str | dict | None, speculative_draft_model_path: str | None) -> str | None:
+    """The drafter a user named, before anything is checked (the front doors fetch a Hub id's snapshot first):
+    --speculative-draft-model-path, else --speculative-config's "model". None where there is none, or where the
+    JSON is broken (building the config says what is wrong)."""
+    if speculative_draft_model_path:
+        return speculative_draft_model_path
+    try:
+        value = _json_object(speculative_config) if speculative_config else {}
+    except KestrelError:
+        return None
+    model = value.get("model")
+    return model if isinstance(model, str) and model.strip() != "[ngram]" else None
 
 
 def resolve_speculative(speculative_config: str | dict | None, speculative_algorithm: str | None,
@@ -136,9 +155,11 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
                         speculative_eagle_topk: int | None, speculative_num_draft_tokens: int | None,
                         speculative_disable_adaptive: bool,
                         speculative_synthetic_acceptance_rate: float | None,
-                        default_drafter: str | None = None) -> SpeculativeConfig | None:
+                        default_drafter: str | None = None,
+                        resolve_drafter: Callable[[str], str] | None = None) -> SpeculativeConfig | None:
     """EngineConfig's speculative fields (named as the flags) -> a SpeculativeConfig, or None when off.
-    default_drafter: the EAGLE-3 drafter used when none is named (the default model's shipped one).
+    default_drafter: the EAGLE-3 drafter used when none is named (the default model's shipped one);
+    resolve_drafter: a named drafter -> its directory (models/names.py: a Hub id -> its snapshot).
 
     The vLLM form (`speculative_config`) and the SGLang flags exclude each other; Kestrel's two flags
     (--speculative-disable-adaptive, --speculative-synthetic-acceptance-rate) go with either form."""
@@ -157,7 +178,7 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
         raise KestrelError(f"speculative decoding configured twice: --speculative-config and {sglang_given}; "
                            "use vLLM's JSON or SGLang's flags, not both")
     if speculative_config is not None:
-        spec = parse_speculative_json(speculative_config, default_drafter)
+        spec = parse_speculative_json(speculative_config, default_drafter, resolve_drafter)
         json_keys = set(_json_object(speculative_config))
         if speculative_disable_adaptive:
             if "adaptive" in json_keys:
@@ -179,9 +200,12 @@ def resolve_speculative(speculative_config: str | dict | None, speculative_algor
     if speculative_num_draft_tokens is not None and speculative_num_draft_tokens < 2:
         raise KestrelError(f"--speculative-num-draft-tokens {speculative_num_draft_tokens} is invalid: it counts "
                            "the last verified token too, so expected >= 2")
+    drafter = speculative_draft_model_path
+    if drafter and method == "eagle3" and resolve_drafter is not None:
+        drafter = resolve_drafter(drafter)
     return SpeculativeConfig(
         method=method,
-        model=speculative_draft_model_path or (default_drafter if method == "eagle3" else None),
+        model=drafter or (default_drafter if method == "eagle3" else None),
         num_speculative_tokens=DEFAULT_SPECULATIVE_TOKENS if speculative_num_steps is None else speculative_num_steps,
         topk=1 if speculative_eagle_topk is None else speculative_eagle_topk,
         # SGLang counts the root (the last verified token) among the draft tokens; Kestrel does not.

@@ -91,15 +91,64 @@ def test_dataset_flags_are_validated_with_their_names():
         DatasetConfig(input_len=0)
 
 
-def test_progress_shows_eta_only_once_requests_finish():
-    out = io.StringIO()
-    progress = RunProgress("peak", total=4, out=out, log_interval_s=0.0)
-    assert progress.line().startswith("[peak] 0/4 finished, elapsed ") and "ETA" not in progress.line()
-    progress.start -= 10.0          # 10 s in, the first request finishes: 3 more at that rate take 30 s
-    progress.update(True)
-    assert "1/4 finished" in progress.line() and "ETA 30s" in progress.line()
-    progress.update(False)
-    progress.close()
-    assert out.getvalue().splitlines()[-1].startswith("[peak] 2/4 finished, 1 failed, elapsed 10s")
-    assert "ETA" not in RunProgress("d", total=None, duration_s=30.0).line()
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 100.0
 
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_progress_with_every_request_sent_at_once_shows_tokens_and_no_eta_from_one_finish():
+    """128 requests sent at once, 256 tokens each, streamed: the line moves from the first second, the ETA comes
+    from the steady token rate, and the first request to finish does not turn it into hours."""
+    out, clock = io.StringIO(), FakeClock()
+    progress = RunProgress("peak", total=128, out=out, expected_tokens=128 * 256, streamed=True, clock=clock)
+    for _ in range(128):
+        progress.request_sent()
+    clock.now += 1.0                 # prefill: nothing streamed yet, yet a line after the first second
+    progress.tick()
+    assert out.getvalue() == "[peak] 0/128 finished, 128 in flight, 128/128 sent, 0/32768 tokens, elapsed 1s\n"
+    progress.add_tokens(128)         # the first tokens: too early for a rate
+    clock.now += 0.5
+    assert "ETA" not in progress.line()
+    clock.now += 0.5                 # 1 s of streaming at 128 tokens/s ... then 59 s more at the same rate
+    progress.add_tokens(128 * 59)
+    clock.now += 59
+    progress.update(True)            # one request finishes a little before the others
+    line = progress.line()
+    assert line.startswith("[peak] 1/128 finished, 127 in flight, 128/128 sent, 7680/32768 tokens, elapsed 1m01s")
+    assert line.endswith("ETA 3m16s")      # (32768 - 7680) tokens at 128 tokens/s, not 127 x 61 s = 2h09m
+
+
+def test_progress_without_streaming_estimates_only_while_requests_still_wait():
+    clock = FakeClock()
+    progress = RunProgress("c=2", total=4, out=io.StringIO(), clock=clock)
+    progress.request_sent(), progress.request_sent()    # the cap: two in flight, two waiting
+    assert progress.line() == "[c=2] 0/4 finished, 2 in flight, 2/4 sent, elapsed 0s"
+    clock.now += 10.0
+    progress.update(True, tokens=16)    # at 10 s per request: 3 more take 30 s
+    assert progress.line() == "[c=2] 1/4 finished, 1 in flight, 2/4 sent, 16 tokens, elapsed 10s, ETA 30s"
+    progress.request_sent(), progress.request_sent()    # all sent: when they finish is not paced any more
+    progress.update(False)
+    assert "ETA" not in progress.line() and "1 failed, 2 in flight, 4/4 sent" in progress.line()
+    assert "left" in RunProgress("d", total=None, duration_s=30.0).line()
+
+
+def test_progress_on_a_log_writes_a_line_every_interval_and_a_final_one():
+    out, clock = io.StringIO(), FakeClock()
+    progress = RunProgress("peak", total=2, out=out, log_interval_s=10.0, clock=clock)
+    progress.request_sent(), progress.request_sent()
+    clock.now += 0.5
+    progress.tick()
+    assert out.getvalue() == ""          # not before the first second
+    clock.now += 0.5
+    progress.tick()
+    clock.now += 5
+    progress.tick()                      # then every 10 s
+    clock.now += 5
+    progress.tick()
+    progress.update(True), progress.update(True)
+    progress.close()
+    assert [line.split(",")[0] for line in out.getvalue().splitlines()] == ["[peak] 0/2 finished"] * 2 + \
+        ["[peak] 2/2 finished"]

@@ -90,5 +90,20 @@ def test_progress_of_a_concurrent_run_has_no_http_log_lines_and_uses_the_launch_
                           capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "httpx" not in proc.stderr and "HTTP Request" not in proc.stderr, proc.stderr
-    assert "[c=3] 6/6 finished, elapsed " in proc.stderr
+    assert "[c=3] 6/6 finished, 18/18 tokens, elapsed " in proc.stderr   # 3 tokens each, streamed
     assert "c=3" in proc.stdout and "cache hit" in proc.stdout
+
+
+def test_against_a_gguf_model_the_bench_finds_its_tokenizer_in_the_gguf(tmp_path):
+    """`kestrel serve m.gguf` reports the .gguf as its root: the bench rebuilds the tokenizer from the file's
+    vocabulary (as the server does), so random prompts have exactly the stated length."""
+    from tests.gguf_files import write_llama_gguf
+
+    path = tmp_path / "m.gguf"
+    write_llama_gguf(path)
+    with LiveServer(EngineConfig(model=str(path), device="cpu")) as gguf_server:
+        result = _bench(gguf_server, tmp_path, "gguf", "--random-input-len", "16", "--random-output-len", "2",
+                        "--num-prompts", "4", "--max-concurrency", "2")
+    assert result["config"]["tokenizer"] == str(path)
+    (run,) = result["runs"]
+    assert [(r["prompt_tokens"], r["output_tokens"]) for r in run["requests"]] == [(16, 2)] * 4

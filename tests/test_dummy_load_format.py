@@ -73,13 +73,44 @@ def test_tensor_parallel_ranks_load_dummy_weights(config_only_tiny):
         llm.shutdown()
 
 
-def test_unknown_formats_and_fp8_are_refused_clearly(config_only_tiny):
+def test_unknown_formats_are_refused_clearly(config_only_tiny):
     with pytest.raises(KestrelError, match="--load-format 'pt' is invalid: expected auto .* or dummy"):
         EngineConfig(load_format="pt")
     with pytest.raises(KestrelError, match="--load-format 'safetensors' is invalid"):
         LLM(model=config_only_tiny, device="cpu", load_format="safetensors")
-    with pytest.raises(KestrelError, match="FP8 models need a checkpoint"):
-        LLM(model=config_only_tiny, device="cpu", load_format="dummy", quantization="fp8")
+
+
+@pytest.mark.parametrize("how", ["flag", "block_config"])
+def test_fp8_models_load_dummy_weights(config_only_tiny, tmp_path, how):
+    """FP8 weights drawn as the bf16 ones, divided by one scale and cast; every scale that scale: the layer's
+    effective weights have the bf16 draw's spread, and the engine generates (per-row scales from the flag; 16 x 16
+    tiles from a checkpoint config's quantization_config, as vLLM's peer recipe serves FP8 shapes)."""
+    import json
+    import shutil
+
+    from kestrel.models.dummy_weights import FP8_SCALE, WEIGHT_STD
+
+    model, kwargs = config_only_tiny, {"quantization": "fp8"}
+    if how == "block_config":
+        model = tmp_path / "fp8"
+        shutil.copytree(config_only_tiny, model)
+        cfg = json.loads((model / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "dynamic",
+                                      "weight_block_size": [16, 16]}
+        (model / "config.json").write_text(json.dumps(cfg))
+        kwargs = {}
+    llm = LLM(model=str(model), device="cpu", load_format="dummy", **kwargs)
+    try:
+        layer = llm.engine.runner.model.layers[0].mlp.down_proj
+        assert layer.weight.dtype == torch.float8_e4m3fn
+        scales = [b for n, b in [*layer.named_parameters(), *layer.named_buffers()] if "scale" in n]
+        assert scales and all(bool((s == FP8_SCALE).all()) for s in scales)
+        std = (layer.weight.float() * FP8_SCALE).std().item()
+        assert abs(std - WEIGHT_STD) < 0.1 * WEIGHT_STD, std
+        out = llm.generate(["hello world"], GREEDY)
+        assert len(out[0].outputs[0].token_ids) == 6
+    finally:
+        llm.shutdown()
 
 
 def test_the_flag_reaches_the_config():

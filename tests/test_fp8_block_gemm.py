@@ -4,8 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kestrel.kernels.fp8_quant import quantize_per_block
+from kestrel.kernels.triton.fp8_block_gemm import _round_to_e4m3
 from tests.triton_interpreter import INTERPRETED, run_file_under_interpreter
 from tests.triton_interpreter import interpreted_only as interpreted_only_marker
 
@@ -24,7 +27,7 @@ def reference(x, w8, scale, block, bias) -> torch.Tensor:
 @pytest.mark.slow   # a child pytest running the file's kernels in Triton's interpreter
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_fp8_block_gemm_under_triton_interpreter():
-    run_file_under_interpreter(__file__, min_passed=14)   # all but the ones that skip in the child
+    run_file_under_interpreter(__file__, min_passed=21)   # all but the ones that skip in the child
 
 
 @interpreted_only
@@ -45,6 +48,54 @@ def test_fp8_block_gemm_matches_the_reference(block, m, with_bias, split_k):
     want = reference(x, w8, scale, block, bias)
     # one bf16 rounding of the output (the interpreter truncates: under 1 ulp, 2^-7 relative); float32 sums
     assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+
+
+@interpreted_only
+@pytest.mark.parametrize("block", [(16, 32), (128, 128)], ids=str)
+@pytest.mark.parametrize("m,with_bias,split_k", [(17, True, 1), (130, False, 1), (33, True, 3)])
+def test_w8a8_block_gemm_matches_its_reference(block, m, with_bias, split_k):
+    """W8A8: x quantized per row in groups of the tile width inside the kernel, FP8 x FP8 products; against
+    fp8_w8a8_ref (the same quantization in torch) to one output rounding, and against the bf16-activation product
+    within FP8's activation error (stated: 2^-4 of each group's largest value, summed in quadrature over K)."""
+    from dataclasses import replace
+
+    from kestrel.kernels.fp8_quant import fp8_w8a8_ref
+    from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm, w8a8_config
+
+    g = torch.Generator().manual_seed(m + block[1])
+    x = torch.randn(m, K, generator=g).to(torch.bfloat16)
+    x[3, :] = 0   # an all-zero row: its groups' scales stay finite, its outputs are the bias
+    w8, scale = quantize_per_block(torch.randn(N, K, generator=g) * 0.05, block)
+    bias = torch.randn(N, generator=g).to(torch.bfloat16) if with_bias else None
+    cfg = replace(w8a8_config(m, N, K, block), split_k=split_k)
+    got = fp8_block_gemm(x, w8, scale, block, bias, config=cfg, quantize_x=True)
+    assert got.dtype == torch.bfloat16 and got.shape == (m, N)
+    want = fp8_w8a8_ref(x, w8, scale, block, bias).double()
+    assert ((got.double() - want).abs() <= want.abs() * 2 ** -7 + 1e-3).all()
+    exact = reference(x, w8, scale, block, bias)
+    rel = (got.double() - exact).norm() / exact.norm()
+    assert rel < 2 ** -4, rel   # FP8 activations: E4M3's 3 mantissa bits, errors averaging over K
+
+
+@triton.jit
+def _rounding_kernel(v_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    tl.store(out_ptr + offs, _round_to_e4m3(tl.load(v_ptr + offs, mask=offs < n, other=0.0)), mask=offs < n)
+
+
+@interpreted_only
+def test_interpreter_rounding_to_e4m3_is_torchs():
+    """The arithmetic rounding the interpreted W8A8 kernel uses equals torch's float32 -> E4M3 cast (RTNE) on
+    every E4M3 value, every midpoint between neighbours (ties), and random values across the range."""
+    kernel = _rounding_kernel
+    grid = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float()
+    grid = grid[grid.isfinite()].unique()
+    mids = (grid[1:] + grid[:-1]) / 2
+    v = torch.cat([grid, mids, torch.empty(4000).uniform_(-448, 448, generator=torch.Generator().manual_seed(0)),
+                   torch.empty(1000).uniform_(-0.05, 0.05, generator=torch.Generator().manual_seed(1))])
+    out = torch.empty_like(v)
+    kernel[(triton.cdiv(v.numel(), 1024),)](v, out, v.numel(), BLOCK=1024)
+    assert torch.equal(out, v.to(torch.float8_e4m3fn).float())
 
 
 @interpreted_only
@@ -94,3 +145,25 @@ def test_table_configs_build_for_sm90_on_the_tensor_cores(m, n, k):
     ptx = compile_for_sm90(_fp8_block_gemm_kernel, constexprs, types,
                            dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
     assert "mma" in ptx and "griddepcontrol.wait" in ptx
+
+
+@pytest.mark.skipif(INTERPRETED, reason="compiles; nothing to interpret")
+@pytest.mark.parametrize("m,n,k", [(128, 4096, 14336), (256, 6144, 4096)], ids=str)
+def test_w8a8_configs_run_fp8_on_hoppers_tensor_cores(m, n, k):
+    """The W8A8 kernel compiles for sm90 to FP8 wgmma (e4m3 x e4m3), not to a widened bf16 product."""
+    import triton
+
+    from kestrel.kernels.triton.fp8_block_gemm import _fp8_block_gemm_kernel, w8a8_config
+    from tests.sm90 import compile_for_sm90
+
+    cfg = w8a8_config(m, n, k, (128, 128))
+    steps = triton.cdiv(k, cfg.block_k)
+    per_split = triton.cdiv(steps, cfg.split_k)
+    partial = triton.cdiv(steps, per_split) > 1
+    constexprs = dict(K_SPLIT=per_split * cfg.block_k, SCALE_BN=128, SCALE_BK=128, HAS_BIAS=False, PARTIAL=partial,
+                      BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k, DOT_FP32=False, USE_PDL=True,
+                      QUANT_X=True)
+    types = {"w_ptr": "*fp8e4nv", "s_ptr": "*fp32", "bias_ptr": "*fp32", "out_ptr": "*fp32" if partial else "*bf16"}
+    ptx = compile_for_sm90(_fp8_block_gemm_kernel, constexprs, types,
+                           dict(num_warps=cfg.num_warps, num_stages=cfg.num_stages))
+    assert "wgmma" in ptx and "e4m3.e4m3" in ptx

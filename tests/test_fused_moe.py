@@ -20,7 +20,7 @@ interpreted_only = interpreted_only_marker("test_fused_moe_under_triton_interpre
 @pytest.mark.slow   # a child pytest running the file's kernels in Triton's interpreter
 @pytest.mark.skipif(INTERPRETED, reason="this is the interpreter child")
 def test_fused_moe_under_triton_interpreter():
-    run_file_under_interpreter(__file__, min_passed=51)   # all but the ones that skip in the child
+    run_file_under_interpreter(__file__, min_passed=53)   # all but the ones that skip in the child
 
 
 def random_problem(tokens: int, experts: int, topk: int, hidden: int, inter: int, dtype: torch.dtype,
@@ -59,6 +59,37 @@ def test_fused_moe_kernel_equals_torch_reference(case, path):
     ref = fused_experts_torch(x, w13, w2, ids, weights)
     tol = dict(atol=2e-5, rtol=2e-5) if dtype == torch.float32 else dict(atol=3e-2, rtol=3e-2)
     torch.testing.assert_close(ours, ref, **scaled(tol, ref))
+
+
+@interpreted_only
+@pytest.mark.parametrize("tiles", ["m32-n16-k16-down-n32-k64", "m64-n32-k32-down-n16-k16"])
+def test_tiles_path_equals_the_reference_with_other_tiles(tiles):
+    """A tuned table's other row tiles (the alignment pads each expert's run to BLOCK_M) and down tiles unlike
+    gate|up's give the reference's result."""
+    from kestrel.kernels.triton.fused_moe import MoeTiles, fused_experts_triton
+
+    m, n, k, dn, dk = (int(part[1:]) for part in tiles.split("-") if part != "down")
+    cfg = MoeTiles(block_m=m, block_n=n, block_k=k, down_block_n=dn, down_block_k=dk)
+    gen = torch.Generator().manual_seed(m)
+    x, w13, w2, ids, weights = random_problem(33, 16, 4, 64, 48, torch.float32, gen, [0, 2, 5, 9, 15])
+    ours = fused_experts_triton(x, w13, w2, ids, weights, path="tiles", tiles=cfg)
+    ref = fused_experts_torch(x, w13, w2, ids, weights)
+    torch.testing.assert_close(ours, ref, **scaled(dict(atol=2e-5, rtol=2e-5), ref))
+
+
+def test_tuned_tables_pick_the_nearest_bucket_and_parse():
+    """The table lookup: the bucket nearest the batch (the smaller on a tie), the untuned default without a table;
+    every shipped table (kernels/triton/moe_configs/*.json) parses into tiles that divide nothing wrongly."""
+    from kestrel.kernels.triton.fused_moe import CONFIG_DIR, DEFAULT_TILES, MoeTiles, nearest, tuned_table
+
+    a, b, c = MoeTiles(block_m=16), MoeTiles(block_m=32), MoeTiles(block_m=64)
+    table = ((1, a), (64, b), (256, c))
+    assert [nearest(table, t) for t in (1, 32, 33, 100, 160, 161, 4096)] == [a, a, b, b, b, c, c]
+    assert nearest((), 128) == DEFAULT_TILES
+    for path in CONFIG_DIR.glob("*.json"):
+        for tokens, tiles in tuned_table(path.name):
+            assert tokens >= 1 and all(v & (v - 1) == 0 for v in (tiles.block_m, tiles.block_n, tiles.block_k,
+                                                                 tiles.down_block_n, tiles.down_block_k))
 
 
 def rank_experts(w13: torch.Tensor, w2: torch.Tensor, rank: int, size: int):

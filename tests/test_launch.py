@@ -153,3 +153,21 @@ def test_progressing_server_past_the_ready_timeout_exits_5(tmp_path, capsys):
 def test_missing_command_is_a_usage_error(capsys):
     assert main(["launch", "--"]) == 2
     assert "no server command" in capsys.readouterr().err
+
+
+def test_waiting_prints_no_httpx_request_lines(tmp_path):
+    """The launcher polls /health every half second through httpx, which logs each request at INFO: a subprocess,
+    as a user runs it, with Kestrel's INFO logging on, shows none of them."""
+    import os
+    import subprocess
+
+    script, pid_file = tmp_path / "server.py", tmp_path / "slow.pids"
+    script.write_text(SERVER)
+    port = _free_port()
+    res = subprocess.run([sys.executable, "-m", "kestrel.cli", "launch", "--log-file", str(tmp_path / "x.log"),
+                          "--grace", "0.5", "--then", "true", "--", sys.executable, str(script), str(port), "slow",
+                          str(pid_file), "--port", str(port)],
+                         capture_output=True, text=True, timeout=120, env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    assert res.returncode == 0, res.stderr
+    assert "[launch] ready at" in res.stderr
+    assert "HTTP Request:" not in res.stderr and "INFO httpx" not in res.stderr, res.stderr

@@ -8,7 +8,7 @@ import asyncio
 import json
 import random
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -90,8 +90,9 @@ def _chunk_text(choice: dict[str, Any]) -> str:
 class _StreamState:
     """Folds SSE chunks into a record: token arrivals, text, usage."""
 
-    def __init__(self, tokenizer: BenchTokenizer | None) -> None:
+    def __init__(self, tokenizer: BenchTokenizer | None, on_tokens: Callable[[int], None] | None = None) -> None:
         self.tokenizer = tokenizer
+        self.on_tokens = on_tokens                # the progress line's live token count
         self.text: list[str] = []
         self.usage_tokens: int | None = None     # last completion_tokens seen (cumulative)
         self.prompt_tokens: int | None = None
@@ -123,6 +124,8 @@ class _StreamState:
         if tokens > 0:
             record.chunk_times.append(now)
             record.chunk_tokens.append(tokens)
+            if self.on_tokens:
+                self.on_tokens(tokens)
 
 
 def _cached_tokens(usage: dict[str, Any]) -> int | None:
@@ -145,7 +148,8 @@ def count_tokens(record: RequestRecord, text: str, usage_tokens: int | None,
 
 
 async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: BenchRequest,
-                       tokenizer: BenchTokenizer | None = None, run_start: float = 0.0) -> RequestRecord:
+                       tokenizer: BenchTokenizer | None = None, run_start: float = 0.0,
+                       on_tokens: Callable[[int], None] | None = None) -> RequestRecord:
     record = RequestRecord(prompt_len=req.prompt_len, max_tokens=req.output_len)
     start = time.perf_counter()
     record.start = start - run_start
@@ -155,7 +159,7 @@ async def send_request(session: aiohttp.ClientSession, api: ApiOptions, req: Ben
                 body = (await resp.text())[:300]
                 raise RuntimeError(f"HTTP {resp.status}: {body}")
             if api.stream:
-                state = _StreamState(tokenizer)
+                state = _StreamState(tokenizer, on_tokens)
                 async for raw in resp.content:   # aiohttp yields whole lines, however TCP split them
                     now = time.perf_counter() - start
                     line = raw.strip()
@@ -246,18 +250,35 @@ async def run_load(api: ApiOptions, requests: Sequence[BenchRequest], concurrenc
     limit = asyncio.Semaphore(concurrency) if concurrency else None
     records: list[RequestRecord] = []
     async with new_session(api) as session:
-        bar = RunProgress(name, None if duration_s else len(requests), duration_s, enabled=progress)
+        bar = RunProgress(name, None if duration_s else len(requests), duration_s, enabled=progress,
+                          expected_tokens=None if duration_s else sum(r.output_len for r in requests),
+                          streamed=api.stream)
         run_start = bar.start
         deadline = run_start + duration_s if duration_s else None
 
         async def one(req: BenchRequest) -> None:
+            live = 0
+
+            def on_tokens(n: int) -> None:
+                nonlocal live
+                live += n
+                bar.add_tokens(n)
+
             try:
-                record = await send_request(session, api, req, tokenizer, run_start)
+                record = await send_request(session, api, req, tokenizer, run_start, on_tokens)
                 records.append(record)
-                bar.update(record.success)
+                # the final count (usage) replaces the live one, which a client-side tokenizer only estimated
+                bar.update(record.success, record.output_tokens - live if record.success else 0)
             finally:
                 if limit:
                     limit.release()
+
+        async def redraw() -> None:   # the line moves before any request finishes
+            while True:
+                await asyncio.sleep(0.2)
+                bar.tick()
+
+        ticker = asyncio.create_task(redraw()) if progress else None
 
         tasks = []
         gaps = _arrival_gaps(request_rate, burstiness, rng)
@@ -275,9 +296,12 @@ async def run_load(api: ApiOptions, requests: Sequence[BenchRequest], concurrenc
                     limit.release()
                 break
             tasks.append(asyncio.create_task(one(requests[index % len(requests)])))
+            bar.request_sent()
             index += 1
         await asyncio.gather(*tasks)
         duration = time.perf_counter() - run_start
+        if ticker:
+            ticker.cancel()
     bar.close()
     records.sort(key=lambda r: r.start)
     return records, duration

@@ -22,6 +22,7 @@ import httpx
 import psutil
 
 from kestrel.envs import child_environment
+from kestrel.errors import KestrelError
 
 
 class LaunchExit(enum.IntEnum):
@@ -45,6 +46,16 @@ class LaunchConfig:
     grace_s: float = 10.0
     poll_interval_s: float = 0.5
     status_interval_s: float = 10.0
+
+
+def check_program(program: str) -> None:
+    """The command's program exists and is executable: one error line now, not a traceback from Popen later."""
+    if os.sep in program:
+        if not (os.path.isfile(program) and os.access(program, os.X_OK)):
+            raise KestrelError(f"server command {program!r} not found or not executable")
+    elif shutil.which(program) is None:
+        raise KestrelError(f"server command {program!r} not found on PATH (activate the environment it is "
+                           "installed in, or give its full path)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,10 +93,11 @@ class ServerProcess:
     """The server command in its own process group, its output teed to `echo` and a log file."""
 
     def __init__(self, command: tuple[str, ...], log_file: str, echo: TextIO | None = None,
-                 keep_lines: int = 50, env: dict[str, str] | None = None) -> None:
+                 keep_lines: int = 50, env: dict[str, str] | None = None, append: bool = False) -> None:
         Path(log_file).parent.mkdir(parents=True, exist_ok=True)
         self.log_file = log_file
-        self._log = open(log_file, "w", encoding="utf-8", errors="replace")
+        # append: a restarted replica continues its own log, so one file tells its whole story
+        self._log = open(log_file, "a" if append else "w", encoding="utf-8", errors="replace")
         self._echo = echo
         self.last_lines: collections.deque[str] = collections.deque(maxlen=keep_lines)
         self.last_output_time = time.monotonic()
@@ -116,6 +128,12 @@ class ServerProcess:
     @property
     def pid(self) -> int:
         return self.proc.pid
+
+    def note(self, line: str) -> None:
+        """A line of the launcher's own in this process's log (a death, a restart), beside the server's lines."""
+        if not self._log.closed:
+            self._log.write(line.rstrip("\n") + "\n")
+            self._log.flush()
 
     def exited(self) -> int | None:
         return self.proc.poll()

@@ -7,8 +7,9 @@ import logging
 import re
 from pathlib import Path
 
-from kestrel.bench.launch import LaunchConfig, LaunchExit, launch
+from kestrel.bench.launch import LaunchConfig, LaunchExit, check_program, launch
 from kestrel.bench.replicas import ROUTERS, ReplicaConfig, launch_replicas
+from kestrel.bench.supervise import RestartPolicy
 from kestrel.errors import KestrelError
 
 EPILOG = "exit codes: " + ", ".join(f"{e.value} {e.name.lower().replace('_', ' ')}" for e in LaunchExit) + \
@@ -46,6 +47,21 @@ def add_parser(subparsers) -> None:
     rep.add_argument("--router-arg", action="append", default=[], metavar="ARG",
                      help="an extra argument for the router, repeatable (e.g. --router-arg=--cache-threshold "
                      "--router-arg=0.5)")
+    rep.add_argument("--router-metrics-port", type=int, default=None,
+                     help="the router's Prometheus /metrics port, on --host (default: a free port; smg's own default "
+                     "29000 would clash with a second launch on the host)")
+    rep.add_argument("--fill-model", action=argparse.BooleanOptionalAction, default=True,
+                     help="a request without `model` gets the served model's name, as `kestrel serve` treats it "
+                     "(smg refuses such a request): a byte-level relay on --port in front of the router, which "
+                     "then listens on a free port; --no-fill-model puts the router itself on --port")
+    rep.add_argument("--max-restarts", type=int, default=5,
+                     help="a replica (or the router) that dies is restarted after 1 s, 2 s, 4 s, ... (at most "
+                     "--restart-backoff-max); the launch ends (exit 3) once every replica, or the router, died more "
+                     "than this many times within --restart-window")
+    rep.add_argument("--restart-window", type=float, default=300.0,
+                     help="seconds over which deaths are counted for --max-restarts and the backoff")
+    rep.add_argument("--restart-backoff-max", type=float, default=30.0,
+                     help="the longest wait, in seconds, before restarting a dead replica")
     p.add_argument("server_command", nargs=argparse.REMAINDER, help="-- then the server command")
 
 
@@ -80,20 +96,30 @@ def run(args: argparse.Namespace) -> int:
     if args.ready_timeout <= 0 or args.stall_timeout <= 0:
         raise KestrelError(f"--ready-timeout {args.ready_timeout} / --stall-timeout {args.stall_timeout} are "
                            "invalid: expected seconds > 0")
+    check_program(command[0])
+    # the launcher probes /health every half second through httpx, which logs each request at INFO
+    logging.getLogger("httpx").setLevel(logging.WARNING)
     name = args.name or Path(command[0]).name
     port = args.port or command_port(command) or 8000
     if args.replicas < 1 or args.gpus_per_replica < 0:
         raise KestrelError(f"--replicas {args.replicas} / --gpus-per-replica {args.gpus_per_replica} are invalid: "
                            "expected >= 1 / >= 0")
+    if args.max_restarts < 0 or args.restart_window <= 0 or args.restart_backoff_max <= 0:
+        raise KestrelError(f"--max-restarts {args.max_restarts} / --restart-window {args.restart_window} / "
+                           f"--restart-backoff-max {args.restart_backoff_max} are invalid: expected >= 0 / seconds "
+                           "> 0 / seconds > 0")
     if args.replicas > 1 or args.router_arg:
-        logging.getLogger("httpx").setLevel(logging.WARNING)   # a line per readiness probe otherwise
+        restart = RestartPolicy(backoff_s=min(1.0, args.restart_backoff_max),
+                                backoff_max_s=args.restart_backoff_max, max_restarts=args.max_restarts,
+                                window_s=args.restart_window)
         cfg = ReplicaConfig(serve_command=tuple(without_port(command)), replicas=args.replicas,
                             replica_port=args.replica_port or port + 1, router=args.router, router_port=port,
                             policy=args.policy, router_args=tuple(args.router_arg),
                             gpus_per_replica=args.gpus_per_replica, host=args.host,
                             log_dir=str(Path(args.log_file).parent) if args.log_file else "logs",
                             ready_timeout_s=args.ready_timeout, stall_timeout_s=args.stall_timeout,
-                            grace_s=args.grace)
+                            grace_s=args.grace, restart=restart, router_metrics_port=args.router_metrics_port,
+                            fill_model=args.fill_model)
         return int(launch_replicas(cfg, args.then))
     stamp = datetime.datetime.now().strftime("%Y%m%d-%H%M%S")
     cfg = LaunchConfig(command=tuple(command), base_url=f"http://{args.host}:{port}",

@@ -5,6 +5,7 @@ import random
 from pathlib import Path
 
 from kestrel.errors import KestrelError
+from kestrel.models.gguf import is_gguf
 
 _FIX_ROUNDS = 10     # decode/re-encode rounds on one draw (vLLM's retry budget)
 _FRESH_DRAWS = 10    # fresh draws before giving up: then the prompt's real length is reported
@@ -18,10 +19,15 @@ class BenchTokenizer:
 
         file = tokenizer_file(path)
         if file is None:
-            raise KestrelError(f"--tokenizer {path!r} is invalid: expected a directory with tokenizer.json "
-                               "or a tokenizer.json file")
+            raise KestrelError(f"--tokenizer {path!r} is invalid: expected a directory with tokenizer.json, "
+                               "a tokenizer.json file or a .gguf file")
         self.path = str(file)
-        self._tok = Tokenizer.from_file(str(file))
+        if is_gguf(file):   # a GGUF carries its vocabulary: rebuilt as the server rebuilds it
+            from kestrel.models.gguf.tokenizer import build_backend
+
+            self._tok = build_backend(file)
+        else:
+            self._tok = Tokenizer.from_file(str(file))
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=False)
         # Random prompts draw from the ordinary vocabulary: an added/special token (BOS, EOS, <|im_start|>) would
         # change what the model sees, and decode() drops it, which would break the prompt's length.
@@ -63,19 +69,33 @@ class BenchTokenizer:
 
 
 def tokenizer_file(path: str) -> Path | None:
-    """`path` itself when it is a tokenizer.json, `path/tokenizer.json` for a directory, else None."""
+    """`path` itself when it is a tokenizer.json or a .gguf checkpoint (its vocabulary is inside: what `kestrel
+    serve m.gguf` reports as its root), `path/tokenizer.json` for a directory, else None."""
     file = Path(path).expanduser()
     if file.is_dir():
         file = file / "tokenizer.json"
-    return file if file.is_file() and file.suffix == ".json" else None
+    return file if file.is_file() and (file.suffix == ".json" or is_gguf(file)) else None
 
 
 def load_tokenizer(path: str | None, model_names: tuple[str | None, ...] = ()) -> BenchTokenizer | None:
-    """--tokenizer, else the first of `model_names` (--model, the served id and root) that is a local checkpoint
-    directory with a tokenizer.json, else None (random prompts fall back to common words)."""
+    """--tokenizer (a directory, a tokenizer.json, a .gguf or a Hub id), else the first of `model_names` (--model,
+    the served id and root) that is a local checkpoint directory with a tokenizer.json or a local .gguf, else the
+    first that is a Hub id whose tokenizer files huggingface_hub can fetch (as vLLM's benchmark does), else None
+    (random prompts fall back to common words)."""
+    from kestrel.models.names import is_hub_name, resolve_model
+
     if path:
-        return BenchTokenizer(path)
+        return BenchTokenizer(str(resolve_model(path, fetch=True, weights=False)) if is_hub_name(path) else path)
     for name in model_names:
         if name and tokenizer_file(name) is not None:
-            return BenchTokenizer(name)
+            try:
+                return BenchTokenizer(name)
+            except KestrelError:   # e.g. a GGUF whose vocabulary Kestrel cannot rebuild: try the next one
+                continue
+    for name in model_names:
+        if name and is_hub_name(name):
+            try:
+                return BenchTokenizer(str(resolve_model(name, fetch=True, weights=False)))
+            except KestrelError:   # a served name that only looks like an id, or no Hub from here: next one
+                continue
     return None

@@ -27,6 +27,7 @@ from kestrel.forward.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.batch import SequenceChunk, build_forward_batch, previous_token
 from kestrel.forward.sampler import apply_token_bitmask, sample, top_logprobs
+from kestrel.kernels.compile_watch import watch as watch_compiles
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
@@ -44,6 +45,7 @@ class Engine:
         hangs; without it the failure surfaces as the next step's RankFailure."""
         self.config = config
         self.progress = progress or Progress()
+        self.compile_watch = watch_compiles()   # before startup: what it builds is not counted against traffic
         if config.tensor_parallel_size > 1:
             from kestrel.ranks.driver import DriverRunner, Ranks
 
@@ -96,6 +98,7 @@ class Engine:
         self._grammars: GrammarCompiler | None = None   # built at the first structured request
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
+        self.compile_watch.mark_ready()
         self.progress.ready()
 
     # ---- requests in -------------------------------------------------------------------------------------
@@ -370,6 +373,7 @@ class Engine:
             prompt_tokens_total=self.prompt_tokens_total,
             generation_tokens_total=self.committer.generation_tokens_total,
             prefix_cache_queries=pc.query_tokens, prefix_cache_hits=pc.hit_tokens,
+            kernel_builds_after_ready=len(self.compile_watch.after_ready()),
             **self._spec_stats(),
         )
 

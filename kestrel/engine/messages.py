@@ -50,6 +50,9 @@ class EngineStats:
     spec_num_draft_tokens: int = 0
     spec_num_accepted_tokens: int = 0
     spec_accepted_per_pos: tuple[int, ...] = ()   # [i]: drafts whose token at draft position i was accepted
+    # Triton kernels built (or loaded from the disk cache) after the engine reported ready: a request waited for
+    # each (kernels/compile_watch.py); 0 when startup warmed every shape traffic reached
+    kernel_builds_after_ready: int = 0
 
 
 @dataclass(frozen=True, slots=True)

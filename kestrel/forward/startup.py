@@ -14,7 +14,6 @@ import dataclasses
 import logging
 import math
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
@@ -90,7 +89,7 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
         raise ModelLoadError(f"model directory {path} does not exist (Kestrel loads local HF checkpoints "
                              "and .gguf files)")
     cfg = load_model_config(path)
-    tokenizer = BackgroundTokenizer(Path(config.tokenizer) if config.tokenizer else path, cfg.eos_token_ids)
+    tokenizer = BackgroundTokenizer(config.tokenizer_path, cfg.eos_token_ids)
     device = resolve_device(config.device)
     if device.type == "cuda" and tp.size > 1:
         device = torch.device("cuda", tp.local_rank)

@@ -31,7 +31,6 @@ import queue
 import signal
 import sys
 import threading
-from pathlib import Path
 from typing import Callable
 
 from kestrel.config import EngineConfig
@@ -59,7 +58,7 @@ class TokenizerLoad:
     def __init__(self, config: EngineConfig) -> None:
         from kestrel.models.tokenizer import BackgroundTokenizer
 
-        self.path = Path(config.tokenizer) if config.tokenizer else config.model_path
+        self.path = config.tokenizer_path
         try:
             self._load: BackgroundTokenizer | Exception = BackgroundTokenizer(self.path)
         except Exception as exc:   # noqa: BLE001 - the engine reports a missing model first; this, if it starts

@@ -64,3 +64,20 @@ def dequantize(w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int] | N
 def quantize_activations_per_token(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Dynamic per-token activation quantization: (x8 [M, K], scale [M, 1] float32), x ≈ x8 * scale."""
     return quantize_per_row(x)
+
+
+def quantize_activation_groups(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Dynamic per-token, per-group activation quantization (DeepSeek-V3's 1 x 128): (x8 [M, K], scale
+    [M, ceil(K / group)] float32), x ≈ x8 * scale over each row's `group`-column runs (the last may be short)."""
+    return quantize_per_block(x, (1, group))
+
+
+def fp8_w8a8_ref(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
+                 bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The W8A8 block matmul's oracle, in float32: x quantized per row in groups of the tile width, multiplied by
+    the FP8 weight, each (row group x tile) product scaled by both scales; one rounding to x's dtype."""
+    x8, x_scale = quantize_activation_groups(x, block[1])
+    out = dequantize(x8, x_scale, (1, block[1])) @ dequantize(w8, scale, block).T
+    if bias is not None:
+        out = out + bias.float()
+    return out.to(x.dtype)

@@ -32,13 +32,16 @@ How a call runs:
     CUDA, M <= 16, block `small`: kernels/triton/fp8_gemv.py (split-K over scale-tile segments), with the add +
                          RMSNorm and the SiLU-mul folded in (`small_folds`) as on the row road
     CUDA, M > 16, row    `large`: activations quantized per token on the fly, torch._scaled_mm with row scales
-    CUDA, M > 16, block  `block_large`: kernels/triton/fp8_block_gemm.py, FP8 tiles widened to bf16 in registers
-                         (W8A16 on the tensor cores), the tile scales on each tile's partial sums; split-K when
-                         the output tiles are under one wave (decode's o and down at 128 rows)
+    CUDA, M > 16, block  `block_large`: kernels/triton/fp8_block_gemm.py. On Hopper W8A8: x quantized per row and
+                         bk-column group in registers, FP8 x FP8 on the tensor cores, both scales on each step's
+                         partial sums; below Hopper (or KESTREL_FP8_BLOCK_GEMM=w8a16) FP8 tiles widened to bf16
+                         in registers. Split-K when the output tiles are under one wave (decode's o and down at
+                         128 rows)
     CUDA, float32 x      dequantize per call (the block GEMM needs bf16/fp16 tensor-core inputs)
 """
 from __future__ import annotations
 
+import functools
 import re
 from dataclasses import dataclass, replace
 from typing import Callable
@@ -47,6 +50,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kestrel.envs import switches
 from kestrel.errors import ModelLoadError
 from kestrel.kernels.fp8_quant import (FP8, dequantize, quantize_activations_per_token, quantize_per_row,
                                       quantize_per_tensor)
@@ -296,8 +300,14 @@ def fp8_method(scheme: Fp8Scheme, device: torch.device, dense: LinearMethod = PL
     tiles_fit = scheme.block is not None and all((d & -d) >= 16 for d in scheme.block)
     skinny = SkinnyFp8(gemv.gemv, gemv.add_rms_norm_gemv, gemv.silu_mul_gemv)
     folds = SmallFp8Folds(fp8_add_rms_norm_gemv, fp8_silu_mul_gemv) if small is not None else None
+    block_large = None
+    if tiles_fit:
+        # W8A8 (FP8 tensor cores, activations quantized per 1 x bk group in the kernel) on Hopper and newer, where
+        # wgmma multiplies E4M3 at twice bf16's rate; W8A16 below it or when the switch asks for the A/B.
+        w8a8 = switches().fp8_block_gemm == "w8a8" and torch.cuda.get_device_capability(device) >= (9, 0)
+        block_large = functools.partial(fp8_block_gemm, quantize_x=True) if w8a8 else fp8_block_gemm
     return Fp8LinearMethod(scheme, dense, small=small, small_max_rows=min(MAX_M, gemv.MAX_M), small_folds=folds,
-                           skinny=skinny, large=large, block_large=fp8_block_gemm if tiles_fit else None)
+                           skinny=skinny, large=large, block_large=block_large)
 
 
 def keep_float(model: nn.Module, scheme: Fp8Scheme, checkpoint_names: Callable[[str], list[str]]) -> list[str]:

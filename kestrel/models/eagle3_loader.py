@@ -6,7 +6,8 @@ benchmarks).
     *.safetensors     fc.weight [H, 3 Ht], midlayer.{input_layernorm, hidden_norm, post_attention_layernorm,
                       self_attn.{q,k,v,o}_proj, mlp.{gate,up,down}_proj}, norm, lm_head [draft_vocab, H],
                       d2t int64 [draft_vocab], t2d bool [vocab], embed_tokens [vocab, H] (optional: else the
-                      target's); any name may carry a `model.` prefix
+                      target's); any name may carry a `model.` prefix. Or pytorch_model.bin (the EAGLE
+                      authors' published drafters, e.g. yuhuili/EAGLE3-LLaMA3.1-Instruct-8B)
 
 Every mistake a user can make in a drafter checkpoint is one ModelLoadError that names the file and the problem.
 """
@@ -18,14 +19,13 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from safetensors import safe_open
 from safetensors.torch import save_file
 from torch import nn
 
 from kestrel.errors import ModelLoadError
 from kestrel.layers.ops import TORCH_OPS, LayerOps
 from kestrel.models.eagle3 import EAGLE3_ARCHITECTURE, Eagle3Config, Eagle3Drafter
-from kestrel.models.loader import checkpoint_files
+from kestrel.models.loader import checkpoint_files, open_weight_file
 from kestrel.models.model_config import ModelConfig
 from kestrel.models.weight_placer import IGNORED_SUFFIXES, WeightPlacer
 
@@ -122,13 +122,10 @@ class _TensorIndex:
         self.files: dict[str, Path] = {}
         self.raw_names: dict[str, str] = {}
         for path in checkpoint_files(model_dir):
-            try:
-                with safe_open(str(path), framework="pt", device="cpu") as f:
-                    for name in f.keys():
-                        short = name.removeprefix("model.")
-                        self.files[short], self.raw_names[short] = path, name
-            except Exception as exc:  # safetensors raises its own error types for corrupt headers
-                raise ModelLoadError(f"{path}: cannot be read as safetensors ({exc})") from None
+            with open_weight_file(path) as f:
+                for name in f.keys():
+                    short = name.removeprefix("model.")
+                    self.files[short], self.raw_names[short] = path, name
 
     def __contains__(self, name: str) -> bool:
         return name in self.files
@@ -137,11 +134,11 @@ class _TensorIndex:
         return str(self.files[name])
 
     def shape(self, name: str) -> tuple[int, ...]:
-        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
+        with open_weight_file(self.files[name]) as f:
             return tuple(f.get_slice(self.raw_names[name]).get_shape())
 
     def tensor(self, name: str) -> torch.Tensor:
-        with safe_open(str(self.files[name]), framework="pt", device="cpu") as f:
+        with open_weight_file(self.files[name]) as f:
             return f.get_tensor(self.raw_names[name])
 
 

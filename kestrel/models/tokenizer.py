@@ -64,12 +64,17 @@ class Tokenizer:
     def has_chat_template(self) -> bool:
         return bool(getattr(self.hf, "chat_template", None))
 
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
+                            tools: list[dict] | None = None) -> list[int]:
+        """`tools`: OpenAI-shaped tool definitions, the template's `tools` variable (only passed when given: a
+        template tests `tools is defined` or `tools` itself)."""
         if not self.has_chat_template:
             raise KestrelError("this model's tokenizer has no chat template; use the completions endpoint "
                                "or a model whose tokenizer_config.json has `chat_template`")
         try:
-            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+            extra = {"tools": tools} if tools else {}
+            text = self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                               **extra)
         except Exception as exc:  # jinja errors: a message the template cannot render
             raise KestrelError(f"the chat template could not render these messages: {exc}") from None
         # The template writes BOS itself when it wants one.

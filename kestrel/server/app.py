@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import hmac
 import logging
 import time
@@ -36,7 +37,7 @@ import kestrel
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError
 from kestrel.frontend.async_engine import AsyncEngine
-from kestrel.server import chat, completions
+from kestrel.server import chat, completions, tools
 from kestrel.server.log_lines import StatsLogger
 from kestrel.frontend.first_token import FirstTokenTrace
 from kestrel.server import router_info
@@ -62,6 +63,7 @@ class ServerConfig:
     log_requests: bool = True             # a log line per finished request
     log_stats_interval_s: float | None = 5.0  # seconds between throughput lines (only when busy); None: off
     max_request_body_bytes: int = 32 * 1024 * 1024   # a larger POST body is a 413, refused before it is read
+    tool_call_parser: str | None = None   # the family parser of tool_choice "auto" (server/tool_parsers); None: off
 
 
 class ServerState:
@@ -77,7 +79,7 @@ class ServerState:
         self.metrics = ServerMetrics(self.engine.stats, self.model_name)
         self.identity = router_info.WorkerIdentity(
             model_name=self.model_name, model_path=self.model_root,
-            tokenizer_path=engine_config.tokenizer or self.model_root, block_size=engine_config.block_size,
+            tokenizer_path=_tokenizer_root(engine_config, self.model_root), block_size=engine_config.block_size,
             max_num_seqs=engine_config.max_num_seqs, tensor_parallel_size=engine_config.tensor_parallel_size)
         self.throughput = router_info.ThroughputMeter()
         self._token_text: TokenText | None = None
@@ -96,6 +98,16 @@ def model_root(engine_config: EngineConfig) -> str:
         return str(engine_config.model_path.expanduser().resolve())
     except (KestrelError, OSError):
         return engine_config.model_name
+
+
+def _tokenizer_root(engine_config: EngineConfig, model_root: str) -> str:
+    """/model_info's tokenizer_path: --tokenizer's directory (a Hub id's snapshot), else the model's root."""
+    if engine_config.tokenizer is None:
+        return model_root
+    try:
+        return str(engine_config.tokenizer_path.expanduser().resolve())
+    except (KestrelError, OSError):
+        return engine_config.tokenizer
 
 
 def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -> FastAPI:
@@ -212,17 +224,21 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         req = await _parse_body(ChatCompletionRequest, await _json_body(request, config.max_request_body_bytes))
         check_model(req.model, state.model_name)
         check_sequences(1, req.n)
+        tool_plan = tools.plan(req, config.tool_call_parser)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
         params.structured_output = await structured_output(req)
         trace.parsed = time.monotonic()
         try:
-            prompt = await _tokenize(chat.prompt_token_ids, req, state.engine.tokenizer)
+            tokenizer = state.engine.tokenizer
+            eos_texts = tools.apply(tool_plan, params, tokenizer)
+            prompt = await _tokenize(functools.partial(chat.prompt_token_ids, tools=tool_plan.template_tools),
+                                     req, tokenizer)
         except Exception as exc:   # noqa: BLE001
             raise api_error_from(exc, param="messages") from None
         trace.tokenized = time.monotonic()
         gen = Generation(state.engine, state.metrics, [prompt], params, "chatcmpl", config.log_requests, trace)
-        return await _respond(request, gen, req.stream, req.stream_options, chat, state,
-                              want_logprobs=req.logprobs, param="messages")
+        return await _respond(request, gen, req.stream, req.stream_options, chat.ChatFormat(tool_plan, eos_texts),
+                              state, want_logprobs=req.logprobs, param="messages")
 
     for route in app.routes:
         if isinstance(route, APIRoute) and route.path in ("/v1/completions", "/v1/chat/completions"):

@@ -34,6 +34,15 @@ def add_parser(subparsers) -> None:
     http.add_argument("--engine-in-thread", action="store_true",
                       help="run the engine on a thread of the server process instead of its own process "
                       "(one GIL for both; the process is faster under load)")
+    from kestrel.server.tool_parsers import PARSERS   # the names only; the parsers import nothing heavy
+    tool = p.add_argument_group("tool calls")
+    tool.add_argument("--tool-call-parser", default=None, choices=list(PARSERS), metavar="NAME",
+                      help="read tool calls out of the model's text for tool_choice \"auto\" (vLLM's names): "
+                      + "; ".join(f"{name}: {families}" for name, (_, families) in PARSERS.items())
+                      + ". Without it a request with tools and tool_choice \"auto\" gets 400; \"required\" and "
+                      "a named function work without it (the grammar shapes the output)")
+    tool.add_argument("--enable-auto-tool-choice", action="store_true",
+                      help="accepted for vLLM command lines; --tool-call-parser alone turns tool_choice \"auto\" on")
     logs = p.add_argument_group("logging")
     logs.add_argument("--log-level", default="info", choices=["debug", "info", "warning", "error"],
                       help="log level of the server and uvicorn")
@@ -68,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
                                  engine_in_thread=args.engine_in_thread,
                                  max_request_body_bytes=args.max_request_body_bytes,
                                  log_requests=not args.disable_log_requests,
+                                 tool_call_parser=args.tool_call_parser,
                                  log_stats_interval_s=None if args.disable_log_stats else args.log_stats_interval)
     server = KestrelServer(build_app(engine_config, server_config), args.host, args.port, args.log_level)
     # uvicorn restores the previous SIGTERM handler and re-raises the signal once it has shut down; a no-op

@@ -8,7 +8,6 @@ listens. The engine repeats these checks (forward/startup.py) for `LLM(...)` and
 """
 from __future__ import annotations
 
-from pathlib import Path
 
 from kestrel.config import EngineConfig
 from kestrel.errors import KestrelError, ModelLoadError
@@ -31,7 +30,7 @@ def check_before_serving(config: EngineConfig) -> ModelConfig:
                              "and .gguf files)")
     else:
         model_config = hf_model_config(path)
-    if config.tokenizer is not None and not Path(config.tokenizer).exists():
+    if config.tokenizer is not None and not config.tokenizer_path.exists():
         raise KestrelError(f"--tokenizer {config.tokenizer} does not exist")
     if config.max_model_len is not None and config.max_model_len > model_config.max_position_embeddings:
         raise KestrelError(f"--max-model-len {config.max_model_len} exceeds the model's max_position_embeddings "

@@ -8,11 +8,15 @@ greedy), on prompts it was not trained on.
 """
 from __future__ import annotations
 
+import logging
 from dataclasses import asdict, dataclass
 from typing import Any
 
+from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
+from kestrel.train.budget import Pacer
 from kestrel.train.data import Prompt
+from kestrel.train.generation import Job, generate_until
 
 
 @dataclass(slots=True)
@@ -39,9 +43,10 @@ class DraftEvaluation:
 
 def evaluate_drafter(target: str | None, prompts: list[Prompt], drafter: str | None = None, method: str = "eagle3",
                      num_speculative_tokens: int = 3, topk: int = 1, max_new_tokens: int = 256,
-                     **engine_kwargs: Any) -> DraftEvaluation:
+                     deadline: float | None = None, **engine_kwargs: Any) -> DraftEvaluation:
     """Greedy generation of every prompt with speculation at a fixed depth (adaptive depth off, so every verify
-    step drafts K and the figures describe the drafter, not the policy)."""
+    step drafts K and the figures describe the drafter, not the policy). `deadline` (time.monotonic()): stop
+    before a step that would end past it; the figures then cover the steps that ran."""
     from kestrel.llm import LLM
     from kestrel.train.target import Target
 
@@ -51,8 +56,18 @@ def evaluate_drafter(target: str | None, prompts: list[Prompt], drafter: str | N
         spec["model"] = drafter
     llm = LLM(target, speculative_config=spec, **engine_kwargs)
     try:
-        ids = [Target(llm).prompt_ids(p) for p in prompts]
-        outs = llm.generate(ids, SamplingParams(max_tokens=max_new_tokens, temperature=0.0))
+        params = SamplingParams(max_tokens=max_new_tokens, temperature=0.0)
+        tokenized = Target(llm)
+        jobs = [Job(i, tokenized.prompt_ids(p), params) for i, p in enumerate(prompts)]
+        done: list[Job] = []
+        progress = Progress(log_interval_s=5.0, log=logging.getLogger("kestrel.train"))
+        progress.begin("held_out_measurement", total=len(jobs), unit="prompts")
+
+        def finished(job: Job) -> None:
+            done.append(job)
+            progress.update(len(done))
+
+        cut = generate_until(llm._require_engine(), jobs, len(jobs), Pacer(deadline), finished)
         stats = llm._require_engine().stats()
     finally:
         llm.shutdown()
@@ -61,7 +76,7 @@ def evaluate_drafter(target: str | None, prompts: list[Prompt], drafter: str | N
                                                              len(stats.spec_accepted_per_pos))
     return DraftEvaluation(
         method=method, num_speculative_tokens=num_speculative_tokens, topk=topk, prompts=len(prompts),
-        output_tokens=sum(len(o.outputs[0].token_ids) for o in outs), verify_steps=steps,
+        output_tokens=sum(len(j.tokens[0]) for j in done + cut), verify_steps=steps,
         acceptance_rate=accepted / drafted if drafted else 0.0,
         acceptance_length=1 + accepted / steps if steps else 1.0,
         per_position=[a / steps if steps else 0.0 for a in per_pos[:num_speculative_tokens]])

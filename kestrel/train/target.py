@@ -1,6 +1,7 @@
 """The target model during training, served by Kestrel itself: it writes the answers (through the engine, with
-its chat template and sampler) and gives the states the drafter learns from (through the model runner, the same
-forward that serving runs, so the drafter trains on exactly the hidden states it will read when serving).
+its chat template and sampler, into the answer store as they come: answers.py) and gives the states the drafter
+learns from (through the model runner, the same forward that serving runs, so the drafter trains on exactly the
+hidden states it will read when serving).
 
 Per training sequence of T tokens, kept on the training device:
 
@@ -15,22 +16,56 @@ from __future__ import annotations
 
 import logging
 import random
-from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from kestrel.batch import build_forward_batch
 from kestrel.forward.runner import kv_layout
 from kestrel.llm import LLM
+from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
+from kestrel.train.answers import Answered, AnswerStore, prompt_hash
+from kestrel.train.budget import Pacer
 from kestrel.train.data import Prompt, Sample
+from kestrel.train.generation import Job, generate_until
 
 logger = logging.getLogger("kestrel.train")
 
-# prompts handed to the engine at once: enough to fill a batch, few enough that progress shows every few seconds
-# (a CPU step of 256 sequences takes seconds)
+# prompts in the engine at once (--gen-batch-size): enough to fill a batch, few enough that a step stays short
+# (a CPU step of 256 sequences takes seconds, and the deadline is judged step by step)
 GENERATE_CHUNK = {"cuda": 256, "cpu": 64}
+OPENING = "opening"                # the prompt hash of an opening the target samples itself
+OPENING_MIN, OPENING_MAX = 8, 48   # its length in tokens
+
+
+@dataclass(frozen=True, slots=True)
+class AnswerSettings:
+    max_new_tokens: int
+    temperature: float
+    samples_per_prompt: int
+    seed: int
+    max_len: int                   # training tokens kept per sequence: prompts leaving no room are skipped
+
+
+@dataclass(slots=True)
+class AnswerReport:
+    total: int                     # prompts to answer (those that fit)
+    reused: int                    # answered by an earlier run (read from the store)
+    skipped: int                   # too long for an answer within max_len
+    generated: int = 0             # answered by this run
+    cut: int = 0                   # cut by the deadline: trained on now, answered again by the next run
+    samples: list[Sample] = field(default_factory=list)
+    path: Path | None = None       # the store's file
+
+    @property
+    def answered(self) -> int:
+        return self.reused + self.generated
+
+    @property
+    def complete(self) -> bool:
+        return self.answered >= self.total
 
 
 @dataclass(slots=True)
@@ -65,40 +100,83 @@ class Target:
             return self.tokenizer.apply_chat_template(list(prompt.messages), add_generation_prompt=True)
         return self.tokenizer.encode(prompt.text or "")
 
-    def unconditional_prompts(self, n: int, seed: int, min_len: int = 8, max_len: int = 48) -> list[Prompt]:
-        """n openings sampled from the target itself (temperature 1 from BOS): data for a model with no chat
-        template and no dataset at hand."""
-        rng = random.Random(seed)
-        bos = [] if self.tokenizer.bos_token_id is None else [int(self.tokenizer.bos_token_id)]
-        params = [SamplingParams(max_tokens=rng.randint(min_len, max_len), temperature=1.0, seed=seed + i,
-                                 ignore_eos=True) for i in range(n)]
-        outs = self.llm.generate([list(bos) or [0]] * n, params)
-        return [Prompt(token_ids=tuple((bos or [0]) + o.outputs[0].token_ids)) for o in outs]
-
-    def answer(self, prompts: list[Prompt], max_new_tokens: int, temperature: float, samples_per_prompt: int,
-               seed: int, max_len: int, on_progress: Callable[[int], None] | None = None) -> list[Sample]:
+    def answer(self, source: list[Prompt] | int, store: AnswerStore, settings: AnswerSettings, pacer: Pacer,
+               progress: Progress, window: int | None = None) -> AnswerReport:
         """The target's own answers: each prompt's tokens then up to max_new_tokens generated ones (its EOS kept:
-        the drafter learns where answers end too). Prompts that leave no room for a whole answer within max_len
-        training tokens (or the context) are skipped: their answer would be cut, and one very long prompt slows
-        every step of the batch it joins."""
-        samples: list[Sample] = []
-        room = min(self.max_model_len, max_len) - max_new_tokens
-        todo = [(i, ids) for i, ids in enumerate(self.prompt_ids(p) for p in prompts) if 0 < len(ids) <= room]
-        size = GENERATE_CHUNK.get(self.runner.device.type, 64)
-        for start in range(0, len(todo), size):
-            chunk = todo[start:start + size]
-            params = [SamplingParams(max_tokens=max_new_tokens, temperature=temperature, n=samples_per_prompt,
-                                     seed=None if temperature == 0 else seed + i) for i, _ in chunk]
-            for (_, ids), out in zip(chunk, self.llm.generate([ids for _, ids in chunk], params)):
-                for completion in out.outputs:
-                    if completion.token_ids:
-                        samples.append(Sample(tuple(ids) + tuple(completion.token_ids), len(ids)))
-            if on_progress is not None:
-                on_progress(len(chunk))
-        if len(todo) < len(prompts):
-            logger.info("skipped %d of %d prompts longer than %d tokens", len(prompts) - len(todo), len(prompts),
-                        room)
-        return samples
+        the drafter learns where answers end too), written to `store` one prompt at a time and read back from it
+        by a rerun. `source`: the prompts, or a count of openings the target samples itself (temperature 1 from
+        BOS, for a target with no chat template and no dataset). Prompts that leave no room for a whole answer
+        within max_len training tokens (or the context) are skipped: their answer would be cut, and one very long
+        prompt slows every step of the batch it joins. Stops when `pacer` says the next engine step would end past
+        its deadline; answers cut there are trained on by this run but not stored (the next run answers them
+        whole)."""
+        room = min(self.max_model_len, settings.max_len) - settings.max_new_tokens
+        if isinstance(source, int):
+            count, ids_of = source, None
+            expected = [OPENING] * count   # an opening is decided by its index and the seed (in the store's key)
+        else:
+            count, ids_of = len(source), [self.prompt_ids(p) for p in source]
+            expected = [prompt_hash(ids) for ids in ids_of]
+        on_disk = store.load()
+        done = {i: a for i, a in on_disk.items()
+                if i < count and a.prompt_hash == expected[i] and 0 < len(a.prompt) <= room}
+        todo = [i for i in range(count) if i not in done and (ids_of is None or 0 < len(ids_of[i]) <= room)]
+        report = AnswerReport(total=len(done) + len(todo), reused=len(done), skipped=count - len(done) - len(todo),
+                              path=store.path)
+        if done:
+            logger.info("%d of %d prompts already answered in %s", len(done), report.total, store.path)
+
+        def answer_job(i: int, ids: list[int]) -> Job:
+            params = SamplingParams(max_tokens=settings.max_new_tokens, temperature=settings.temperature,
+                                    n=settings.samples_per_prompt,
+                                    seed=None if settings.temperature == 0 else settings.seed + i)
+            return Job(("answer", i), ids, params)
+
+        bos = [0] if self.tokenizer.bos_token_id is None else [int(self.tokenizer.bos_token_id)]
+        rng = random.Random(settings.seed)
+        opening_lens = [rng.randint(OPENING_MIN, OPENING_MAX) for _ in range(count)] if ids_of is None else []
+
+        def jobs():
+            for i in todo:
+                if ids_of is not None:
+                    yield answer_job(i, ids_of[i])
+                else:
+                    yield Job(("opening", i), bos, SamplingParams(max_tokens=opening_lens[i], temperature=1.0,
+                                                                  seed=settings.seed + i, ignore_eos=True))
+
+        def on_done(job: Job) -> Job | None:
+            kind, i = job.key
+            if kind == "opening":
+                ids = bos + job.tokens[0]
+                if 0 < len(ids) <= room:
+                    return answer_job(i, ids)
+                report.skipped += 1
+                report.total -= 1
+                return None
+            answered = Answered(i, expected[i], tuple(job.prompt_ids), tuple(tuple(t) for t in job.tokens))
+            store.append(answered)
+            done[i] = answered
+            report.generated += 1
+            progress.update(report.generated)
+            return None
+
+        progress.begin("target_answers", total=len(todo), unit="prompts")
+        window = window or GENERATE_CHUNK.get(self.runner.device.type, 64)
+        try:
+            cut = generate_until(self.llm._require_engine(), jobs(), window, pacer, on_done)
+        finally:
+            store.close()
+        for i in sorted(done):
+            prompt = done[i].prompt
+            report.samples += [Sample(prompt + a, len(prompt)) for a in done[i].answers if a]
+        for job in cut:
+            if job.key[0] == "answer" and any(job.tokens):
+                report.cut += 1
+                report.samples += [Sample(tuple(job.prompt_ids) + tuple(t), len(job.prompt_ids))
+                                   for t in job.tokens if t]
+        if report.skipped:
+            logger.info("skipped %d of %d prompts longer than %d tokens", report.skipped, count, room)
+        return report
 
     # ---- states ---------------------------------------------------------------------------------------------
     def embedding(self) -> torch.Tensor:

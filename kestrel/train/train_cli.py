@@ -4,9 +4,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import os
+import time
 from pathlib import Path
 
 from kestrel.errors import KestrelError
+
+MAX_STARTUP_S = 60.0
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -15,8 +20,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Train an EAGLE-3 drafter for TARGET: the target answers the prompts itself (through Kestrel, "
                     "with its chat template), the drafter learns its hidden states and distribution with the "
                     "training-time test, and DIR receives a drafter in the standard format that "
-                    "`kestrel serve --speculative-draft-model-path DIR` (and SGLang/vLLM) load. Rerunning the same "
-                    "command resumes from DIR/work/checkpoint.pt.")
+                    "`kestrel serve --speculative-draft-model-path DIR` (and SGLang/vLLM) load. The answers are "
+                    "written to DIR/work/answers/ as they come and the training checkpoints to "
+                    "DIR/work/checkpoint.pt: rerunning the same command (after a kill or a --time-limit) answers "
+                    "only the prompts left and resumes the training.")
     p.add_argument("--target", "--model", dest="target", default=None,
                    help="target checkpoint directory, .gguf file or short name (default: the default model)")
     p.add_argument("--output", required=True, help="drafter directory to write (work files go to DIR/work)")
@@ -38,8 +45,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--stop-after", type=int, default=None,
                    help="checkpoint and exit after this step; the same command resumes (time-boxed sessions)")
     p.add_argument("--time-limit", type=float, default=None, metavar="MINUTES",
-                   help="checkpoint and exit once training has run this long (the drafter so far is written; the "
-                        "same command resumes)")
+                   help="the whole run, loading and answers included: answers stop at half of it (the rest next "
+                        "time), training stops in time to save; the drafter so far is written and the same command "
+                        "resumes. Ends within the limit plus about one engine or optimizer step")
+    p.add_argument("--max-gen-time", type=float, default=None, metavar="MINUTES",
+                   help="stop the target's answers after this long in this run (the rest next time); with "
+                        "--time-limit it may take up to 90%% of the limit instead of the default 50%%")
+    p.add_argument("--data-only", action="store_true",
+                   help="only answer the prompts (resuming the answers on disk) and exit: no training; with "
+                        "--time-limit the answers may use all of it")
+    p.add_argument("--gen-batch-size", type=int, default=None, metavar="N",
+                   help="prompts the target answers at once (default: 256 on a GPU, 64 on the CPU)")
     p.add_argument("--batch-size", type=int, default=8, help="sequences per optimizer step")
     p.add_argument("--max-len", type=int, default=1024, help="tokens kept per training sequence")
     p.add_argument("--lr", type=float, default=1e-4, help="peak learning rate (AdamW; warmup, then cosine to 10%%)")
@@ -61,12 +77,14 @@ def _check(args: argparse.Namespace) -> None:
                  "max_len", "checkpoint_every", "eval_prompts", "eval_max_new_tokens", "self_distill"):
         if getattr(args, name) < 1:
             raise KestrelError(f"--{name.replace('_', '-')} must be at least 1, got {getattr(args, name)}")
-    for name in ("steps", "stop_after"):
+    for name in ("steps", "stop_after", "gen_batch_size"):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise KestrelError(f"--{name.replace('_', '-')} must be at least 1, got {value}")
-    if args.time_limit is not None and args.time_limit <= 0:
-        raise KestrelError(f"--time-limit must be positive (minutes), got {args.time_limit}")
+    for name in ("time_limit", "max_gen_time"):
+        value = getattr(args, name)
+        if value is not None and not value > 0:
+            raise KestrelError(f"--{name.replace('_', '-')} must be positive (minutes), got {value}")
     if args.lr <= 0:
         raise KestrelError(f"--lr must be positive, got {args.lr}")
     if args.gen_temperature == 0 and args.samples_per_prompt > 1:
@@ -76,7 +94,24 @@ def _check(args: argparse.Namespace) -> None:
             raise KestrelError(f"{path} not found")
 
 
+def _process_started() -> float:
+    """When this process started, on time.monotonic()'s scale (Linux: /proc), so --time-limit also covers the
+    interpreter's start and the imports before the command ran; now elsewhere, or when the process is older than
+    MAX_STARTUP_S (kestrel.cli.main called by a long-lived program)."""
+    now = time.monotonic()
+    try:
+        with open("/proc/uptime") as f:
+            uptime = float(f.read().split()[0])
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+        age = uptime - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return now
+    return now - age if 0 <= age < MAX_STARTUP_S else now
+
+
 def run(args: argparse.Namespace) -> int:
+    started = _process_started()   # --time-limit counts from here
     _check(args)
     from kestrel.train.data import instruction_prompts, load_prompts
     from kestrel.train.evaluate import evaluate_drafter
@@ -88,10 +123,19 @@ def run(args: argparse.Namespace) -> int:
                       samples_per_prompt=args.samples_per_prompt, draft_vocab_size=args.draft_vocab_size,
                       ttt_steps=args.ttt_steps, epochs=args.epochs, max_steps=args.steps, stop_after=args.stop_after,
                       time_limit_s=None if args.time_limit is None else 60 * args.time_limit,
+                      max_gen_time_s=None if args.max_gen_time is None else 60 * args.max_gen_time,
+                      data_only=args.data_only, gen_batch_size=args.gen_batch_size,
                       batch_size=args.batch_size, max_len=args.max_len, lr=args.lr, warmup_ratio=args.warmup_ratio,
                       max_grad_norm=args.max_grad_norm, seed=args.seed, device=args.device,
                       checkpoint_every=args.checkpoint_every)
-    result = train_eagle3(cfg)
+    result = train_eagle3(cfg, started=started)
+    answered = result.answers_reused + result.answers_generated
+    print(f"answers: {answered} of {result.prompts_total} prompts ({result.answers_generated} now, "
+          f"{result.answers_reused} from earlier runs) in {result.answers_file}")
+    if not result.data_complete:
+        print("the answers stopped at their time budget: rerun the same command to answer the rest")
+    if args.data_only:
+        return 0
     accs = " ".join(f"{a:.2f}" for a in result.step_accuracy)
     print(f"trained {result.steps} steps on {result.num_sequences} sequences ({result.num_answer_tokens} answer "
           f"tokens); final loss {result.final_loss:.3f}, per-step accuracy [{accs}]; draft vocabulary covers "
@@ -101,6 +145,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"stopped after step {result.steps} of the schedule: rerun the same command to resume")
     if args.skip_eval:
         return 0
+    left = math.inf if args.time_limit is None else started + 60 * args.time_limit - time.monotonic()
+    if not result.finished and args.time_limit is not None:
+        print("the held-out measurement runs once the training is finished (kestrel eval-drafter measures it now)")
+        return 0
+    if left < 3 * result.seconds.get("load_target", 0.0) + 5:
+        print(f"{max(left, 0):.0f} s of --time-limit left: skipping the held-out measurement "
+              "(kestrel eval-drafter measures it)")
+        return 0
     if args.eval_data is not None:
         prompts = load_prompts(args.eval_data)[:args.eval_prompts]
     elif args.data is None:
@@ -109,7 +161,7 @@ def run(args: argparse.Namespace) -> int:
         print("no --eval-data: skipping the held-out measurement (kestrel eval-drafter measures it later)")
         return 0
     ev = evaluate_drafter(args.target, prompts, str(result.output), max_new_tokens=args.eval_max_new_tokens,
-                          device=args.device)
+                          deadline=None if math.isinf(left) else started + 60 * args.time_limit, device=args.device)
     print(ev.summary())
     (Path(args.output) / "work" / "eval.json").write_text(json.dumps(ev.as_dict(), indent=2))
     return 0

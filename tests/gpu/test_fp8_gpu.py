@@ -161,6 +161,25 @@ def test_fp8_block_gemm_matches_reference(layer, m):
     assert torch.allclose(got.float(), fp8_gemv_ref(x, w8, scale, (128, 128)).float(), rtol=1.6e-2, atol=1e-2)
 
 
+@pytest.mark.parametrize("m", [17, 128, 256, 2048])
+@pytest.mark.parametrize("layer", ["8b.qkv", "8b.down"])
+def test_w8a8_block_gemm_matches_its_reference(layer, m):
+    """W8A8 (x quantized per 1 x 128 group in the kernel, FP8 wgmma): against fp8_w8a8_ref, the same quantization
+    in torch, to bf16's output rounding plus the rare activation that the GPU's approximate division rounds to the
+    neighbouring E4M3 value; against the bf16-activation product within FP8's activation error."""
+    from kestrel.kernels.fp8_quant import fp8_w8a8_ref
+    from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
+    from kestrel.kernels.triton.fp8_gemv import fp8_gemv_ref
+
+    k, n = LAYERS[layer]
+    x, w8, scale = operands(k, n, m, (128, 128))
+    got = fp8_block_gemm(x, w8, scale, (128, 128), quantize_x=True).float()
+    want = fp8_w8a8_ref(x, w8, scale, (128, 128)).float()
+    assert (got - want).norm() / want.norm() < 4e-3
+    exact = fp8_gemv_ref(x, w8, scale, (128, 128)).float()
+    assert (got - exact).norm() / exact.norm() < 5e-2
+
+
 def test_fp8_block_gemm_replays_in_a_cuda_graph_and_beats_dequantizing(capsys):
     from kestrel.kernels.triton.fp8_block_gemm import fp8_block_gemm
     from kestrel.kernels.fp8_quant import dequantize

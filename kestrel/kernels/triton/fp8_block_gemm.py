@@ -26,7 +26,7 @@ sum, bias in float32, one rounding to x's dtype: fp8_gemv_ref's, up to the summa
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -36,6 +36,8 @@ from kestrel.kernels.triton.fp8_gemv import SUM_BLOCK, _split_sum_kernel
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 MIN_M = 17            # below this fp8_gemv serves (fp8.py routes by M)
+FP8_MAX = tl.constexpr(448.0)    # E4M3's largest finite value
+ACT_TINY = tl.constexpr(1e-12)   # an all-zero activation group still gets a scale that divides (fp8_quant._TINY)
 TARGET_PROGRAMS = 132  # an H100's SMs: split K until the grid is about one wave
 
 
@@ -64,6 +66,13 @@ def default_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8GemmCon
     return Fp8GemmConfig(block_m, block_n, block_k, split, warps, 3)
 
 
+def w8a8_config(m: int, n: int, k: int, block: tuple[int, int]) -> Fp8GemmConfig:
+    """The W8A8 kernel's table: the K step is the whole tile width (one activation group a step); rows as for
+    W8A16; split-K under one wave as there."""
+    base = default_config(m, n, k, block)
+    return base if base.block_k == block[1] else replace(base, block_k=block[1])
+
+
 def _pow2_divisor(x: int) -> int:
     """The largest power of two dividing x."""
     return x & -x
@@ -74,7 +83,7 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stri
                            stride_om, stride_os, K_SPLIT: tl.constexpr, SCALE_BN: tl.constexpr, SCALE_BK: tl.constexpr,
                            HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr, BLOCK_M: tl.constexpr,
                            BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, DOT_FP32: tl.constexpr,
-                           USE_PDL: tl.constexpr):
+                           USE_PDL: tl.constexpr, QUANT_X: tl.constexpr = False):
     pid_m, pid_n, pid_s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     m_offs = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     n_offs = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -92,11 +101,22 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stri
                     other=0.0)
         w8 = tl.load(w_ptr + n_offs[:, None] * stride_wn + k_offs[None, :], mask=n_mask[:, None] & k_mask[None, :],
                      other=0.0)
-        if DOT_FP32:   # the interpreter has no bf16 dot: the same products in float32
-            part = tl.dot(x.to(tl.float32), tl.trans(w8.to(tl.float32)), input_precision="ieee")
+        s = tl.load(s_ptr + s_row * stride_sn + k0 // SCALE_BK, mask=k0 < K, other=0.0)
+        if QUANT_X:   # W8A8: this step's BLOCK_K columns of x are one group, quantized per row in registers
+            xf = x.to(tl.float32)
+            x_scale = tl.maximum(tl.max(tl.abs(xf), axis=1), ACT_TINY) / FP8_MAX
+            xq = tl.clamp(xf / x_scale[:, None], -FP8_MAX, FP8_MAX)
+            if DOT_FP32:   # the interpreter: the same FP8 values (rounded by arithmetic), multiplied in float32
+                part = tl.dot(_round_to_e4m3(xq), tl.trans(w8.to(tl.float32)), input_precision="ieee")
+            else:          # FP8 x FP8 on the tensor cores (wgmma e4m3 on Hopper), float32 sums
+                part = tl.dot(xq.to(tl.float8e4nv), tl.trans(w8))
+            acc += part * (x_scale[:, None] * s)
         else:
-            part = tl.dot(x, tl.trans(w8.to(x.dtype)))
-        acc += part * tl.load(s_ptr + s_row * stride_sn + k0 // SCALE_BK, mask=k0 < K, other=0.0)
+            if DOT_FP32:   # the interpreter has no bf16 dot: the same products in float32
+                part = tl.dot(x.to(tl.float32), tl.trans(w8.to(tl.float32)), input_precision="ieee")
+            else:
+                part = tl.dot(x, tl.trans(w8.to(x.dtype)))
+            acc += part * s
     out_offs = m_offs[:, None] * stride_om + n_offs[None, :]
     mask = m_mask[:, None] & n_mask[None, :]
     if PARTIAL:
@@ -107,15 +127,34 @@ def _fp8_block_gemm_kernel(x_ptr, w_ptr, s_ptr, bias_ptr, out_ptr, M, N, K, stri
         tl.store(out_ptr + out_offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _round_to_e4m3(v):
+    """v (float32, |v| <= 448) rounded to the nearest E4M3 value, ties to even, as float32: the interpreter's own
+    float32 -> float8e4nv cast drops the carry when rounding reaches the next power of two (31.0 -> 16.0; Triton
+    3.6), the GPU's cvt does not. A value's step is 2^(exponent - 3) (3 mantissa bits), 2^-9 below 2^-6
+    (subnormals); adding and taking away 1.5 * 2^23 rounds v / step to an integer, ties to even, in float32."""
+    a = tl.abs(v)
+    exponent = tl.maximum(tl.floor(tl.log2(tl.where(a > 0, a, 1.0))), -6.0)
+    step = tl.exp2(exponent - 3.0)
+    magic = 12582912.0   # 1.5 * 2^23
+    return ((v / step + magic) - magic) * step
+
+
 def fp8_block_gemm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block: tuple[int, int],
-                   bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None) -> torch.Tensor:
+                   bias: torch.Tensor | None = None, config: Fp8GemmConfig | None = None,
+                   quantize_x: bool = False) -> torch.Tensor:
     """Triton twin of fp8_gemv_ref for any M: x [M, K] bf16/fp16 (unit last stride), w8 [N, K] float8_e4m3fn,
-    scale [ceil(N / bn), ceil(K / bk)] float32, bias [N] -> [M, N] in x's dtype."""
+    scale [ceil(N / bn), ceil(K / bk)] float32, bias [N] -> [M, N] in x's dtype.
+
+    quantize_x: W8A8 — x is quantized to E4M3 per row and per K group of bk columns (the weight's tile width:
+    DeepSeek-V3's 1 x 128 activation groups beside 128 x 128 weight tiles) inside the kernel, and the tensor cores
+    multiply FP8 by FP8 (twice bf16's rate on Hopper); fp8_w8a8_ref is its oracle."""
     m, k = x.shape
     n = w8.shape[0]
     _check_operands(x, w8, scale, block, bias)
-    cfg = config or default_config(m, n, k, block)
+    cfg = config or (w8a8_config(m, n, k, block) if quantize_x else default_config(m, n, k, block))
     assert block[0] % cfg.block_n == 0 and block[1] % cfg.block_k == 0, f"{cfg}: tiles must divide {block}"
+    assert not quantize_x or cfg.block_k == block[1], f"W8A8 quantizes x in groups of the tile width {block[1]}"
     out = torch.empty(m, n, dtype=x.dtype, device=x.device)
     if m == 0 or n == 0:
         return out
@@ -131,7 +170,8 @@ def fp8_block_gemm(x: torch.Tensor, w8: torch.Tensor, scale: torch.Tensor, block
         scale.stride(0), dest.stride(-2), dest.stride(0) if partial else 0, per_split * cfg.block_k,
         SCALE_BN=block[0], SCALE_BK=block[1], HAS_BIAS=bias is not None, PARTIAL=partial,
         BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, BLOCK_K=cfg.block_k,
-        DOT_FP32=bool(triton.knobs.runtime.interpret), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **opts)
+        DOT_FP32=bool(triton.knobs.runtime.interpret), QUANT_X=quantize_x, num_warps=cfg.num_warps,
+        num_stages=cfg.num_stages, **opts)
     if partial:
         _split_sum_kernel[(triton.cdiv(n, SUM_BLOCK), m)](
             dest, bias if bias is not None else dest, out, n, dest.stride(0), dest.stride(1), out.stride(0),

@@ -40,7 +40,10 @@ cores: one row has nothing for a tensor core to share).
 """
 from __future__ import annotations
 
+import functools
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -253,12 +256,13 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
 
 def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
                          topk_weights: torch.Tensor, silu_and_mul: Callable | None = None,
-                         path: str | None = None, block_n: int | None = None, block_k: int | None = None,
+                         path: str | None = None, tiles: MoeTiles | None = None,
                          row_config: RowTiles | None = None) -> torch.Tensor:
     """fused_experts_torch's contract in two launches: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k],
     topk_weights [T, k] -> [T, H] in x's dtype. silu_and_mul is accepted for the common signature and unused
     (the first kernel applies it). path: "rows" | "tiles" (None: rows up to ROWS_PATH_MAX (token, slot) rows);
-    block_n / block_k: the tiles path's tiles (None: `moe_tiles`); row_config: the rows path's (None: `row_tiles`)."""
+    tiles: the tiles path's launch shape (None: `moe_tiles`, the tuned table for this shape and device, by T);
+    row_config: the rows path's (None: `row_tiles`)."""
     num_tokens, topk = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter_size = two_i // 2
@@ -269,23 +273,23 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
         return _experts_by_rows(x, w13, w2, topk_ids, topk_weights, row_config)
     if path != "tiles":
         raise ValueError(f"path {path!r}: expected rows or tiles")
-    sorted_rows, tile_expert = align_by_expert(topk_ids, num_experts)
-    tiles = tile_expert.numel()
-    default_n, default_k = moe_tiles()
-    block_n, block_k = block_n or default_n, block_k or default_k
+    t = tiles or moe_tiles(num_tokens, num_experts, inter_size, hidden, topk, x.device)
+    sorted_rows, tile_expert = align_by_expert(topk_ids, num_experts, t.block_m)
+    grid_tiles = tile_expert.numel()
     dots = dict(DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
                 DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
+    launch = dict(num_warps=t.num_warps, num_stages=t.num_stages)
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
-    _moe_gate_up_kernel[(tiles, triton.cdiv(inter_size, block_n))](
+    _moe_gate_up_kernel[(grid_tiles, triton.cdiv(inter_size, t.block_n))](
         x, w13, sorted_rows, tile_expert, inter, num_rows, x.stride(0), w13.stride(0), w13.stride(1),
-        inter.stride(0), TOPK=topk, H=hidden, I=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        **dots)
+        inter.stride(0), TOPK=topk, H=hidden, I=inter_size, BLOCK_M=t.block_m, BLOCK_N=t.block_n,
+        BLOCK_K=t.block_k, **dots, **launch)
     rows_out = torch.empty(num_rows, hidden, dtype=torch.float32, device=x.device)
     weights = topk_weights.reshape(-1).float().contiguous()
-    _moe_down_kernel[(tiles, triton.cdiv(hidden, block_n))](
+    _moe_down_kernel[(grid_tiles, triton.cdiv(hidden, t.down_block_n))](
         inter, w2, sorted_rows, tile_expert, weights, rows_out, num_rows, inter.stride(0), w2.stride(0),
-        w2.stride(1), rows_out.stride(0), H=hidden, I=inter_size, BLOCK_M=BLOCK_M, BLOCK_N=block_n,
-        BLOCK_K=block_k, **dots)
+        w2.stride(1), rows_out.stride(0), H=hidden, I=inter_size, BLOCK_M=t.block_m, BLOCK_N=t.down_block_n,
+        BLOCK_K=t.down_block_k, **dots, **launch)
     return rows_out.view(num_tokens, topk, hidden).sum(dim=1).to(x.dtype)
 
 
@@ -356,12 +360,58 @@ def row_tiles(topk: int, hidden: int, inter: int) -> RowTiles:
                     down_n=down_n, down_k=down_k, down_warps=8 if slots * down_n * down_k > 4096 else 4)
 
 
-def moe_tiles() -> tuple[int, int]:
-    """(BLOCK_N, BLOCK_K). Compiled: 64 x 128, a decode-sized choice (vLLM's tuned H100 tables pick N 64, K 128 for
-    small M at these expert widths): each weight tile streams 128 contiguous bf16 (256 B) of a row, and a program
-    reads 64 x 128 x 2 B per step, enough bytes in flight to approach the copy rate. Not yet timed here (the GPU
-    figures of issue #35 are its first timing). Interpreted: small tiles so tests' small shapes span several."""
-    return (32, 32) if _interpreted() else (64, 128)
+@dataclass(frozen=True)
+class MoeTiles:
+    """The tiles path's launch shape: BLOCK_M rows of one expert a program (the alignment pads each expert's run
+    to it), BLOCK_N x BLOCK_K weight tiles for gate|up and down_block_n x down_block_k for down."""
+    block_m: int = 16
+    block_n: int = 64
+    block_k: int = 128
+    down_block_n: int = 64
+    down_block_k: int = 128
+    num_warps: int = 4
+    num_stages: int = 3
+
+
+DEFAULT_TILES = MoeTiles()
+CONFIG_DIR = Path(__file__).with_name("moe_configs")
+
+
+def config_file_name(num_experts: int, inter: int, hidden: int, topk: int, device_name: str) -> str:
+    """The tuned table's file for one expert shape on one GPU model (vLLM's per-(E, N, device) naming, with H and
+    k beside: Kestrel's kernels tile H in down)."""
+    return f"E={num_experts},N={inter},H={hidden},k={topk},device={device_name.replace(' ', '_')}.json"
+
+
+@functools.cache
+def tuned_table(name: str) -> tuple[tuple[int, MoeTiles], ...]:
+    """((tokens, tiles), ...) from moe_configs/NAME, sorted by tokens; () when no table was tuned for it."""
+    path = CONFIG_DIR / name
+    if not path.is_file():
+        return ()
+    data = json.loads(path.read_text())
+    return tuple(sorted((int(t), MoeTiles(**cfg)) for t, cfg in data["configs"].items()))
+
+
+def moe_tiles(num_tokens: int, num_experts: int, inter: int, hidden: int, topk: int,
+              device: torch.device) -> MoeTiles:
+    """The tuned tiles for the batch bucket nearest num_tokens (benchmarks/moe_tune.py writes the tables, one per
+    expert shape and GPU model, into moe_configs/); DEFAULT_TILES without a table: 16 x 64 x 128, vLLM's untuned
+    choice at these expert widths. Chosen at capture time for a graph's batch size, so a replay never looks up.
+    Interpreted: small tiles so tests' small shapes span several."""
+    if _interpreted():
+        return MoeTiles(block_m=16, block_n=32, block_k=32, down_block_n=32, down_block_k=32)
+    if device.type != "cuda":
+        return DEFAULT_TILES
+    return nearest(tuned_table(config_file_name(num_experts, inter, hidden, topk,
+                                                torch.cuda.get_device_name(device))), num_tokens)
+
+
+def nearest(table: tuple[tuple[int, MoeTiles], ...], num_tokens: int) -> MoeTiles:
+    """The entry tuned for the token count nearest num_tokens (the smaller on a tie); DEFAULT_TILES if none."""
+    if not table:
+        return DEFAULT_TILES
+    return min(table, key=lambda entry: (abs(entry[0] - num_tokens), entry[0]))[1]
 
 
 def _interpreted() -> bool:
