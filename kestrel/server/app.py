@@ -230,7 +230,8 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         trace.parsed = time.monotonic()
         try:
             tokenizer = state.engine.tokenizer
-            eos_texts = tools.apply(tool_plan, params, tokenizer)
+            # on a worker thread: "required" / a named function check their schemas with xgrammar (cached)
+            eos_texts = await asyncio.to_thread(tools.apply, tool_plan, params, tokenizer)
             prompt = await _tokenize(functools.partial(chat.prompt_token_ids, tools=tool_plan.template_tools),
                                      req, tokenizer)
         except Exception as exc:   # noqa: BLE001
