@@ -69,6 +69,33 @@ def test_bitmask_masks_exactly_the_forbidden_tokens_of_the_named_rows():
     assert torch.isinf(got[1]).any() and torch.isinf(got[3]).any()
 
 
+def test_a_steps_masks_filled_in_parallel_equal_those_filled_row_by_row(llm):
+    """plain_bitmask through xgrammar's BatchGrammarMatcher against one fill per row: the same words, rows without a
+    grammar not in the mask, a terminated grammar's row all-allowed."""
+    from kestrel.structured.matcher import SequenceGrammar, plain_bitmask
+
+    compiler = llm.engine.grammar_compiler
+    vocab = llm.engine.model_config.vocab_size
+    grammars = [SequenceGrammar(compiler.compile_async(so)) for so in MODES.values()]
+    ended = SequenceGrammar(compiler.compile_async(StructuredOutput(choice=("a",))))
+    for token in llm.engine.tokenizer.encode("a", add_special_tokens=False) + [min(llm.engine.eos_token_ids)]:
+        assert ended.accept(token)
+    assert ended.is_terminated
+    rows: list[SequenceGrammar | None] = [None, *grammars, ended, None]
+    gen = torch.Generator().manual_seed(0)
+    for _ in range(12):   # walk each grammar along random allowed tokens, comparing the masks at every step
+        one_by_one = plain_bitmask(rows, vocab)
+        batched = plain_bitmask(rows, vocab, compiler.batch)
+        assert batched[1] == one_by_one[1] == list(range(1, len(rows) - 1))
+        assert torch.equal(batched[0], one_by_one[0])
+        assert (batched[0][-1] == -1).all()
+        allowed = ((batched[0][:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :vocab]
+        for k, g in enumerate(grammars):
+            if not g.is_terminated:
+                choices = allowed[k].nonzero().flatten()
+                assert g.accept(int(choices[torch.randint(len(choices), (1,), generator=gen)]))
+
+
 @pytest.mark.parametrize("mode", [pytest.param(m, marks=[pytest.mark.slow] if m in SCHEMAS or m == "json_object"
                                                else []) for m in MODES])
 def test_each_mode_alone(llm, mode):

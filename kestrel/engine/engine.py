@@ -313,7 +313,8 @@ class Engine:
         wants_logprobs = any(p.logprobs is not None for p in params)
         masked = self.committer.mask_stops_under_min_tokens(seqs, logits)
         # structured outputs: the grammars' masks are filled on the host while the device still runs the step
-        masks = plain_bitmask([s.grammar for s in seqs], self.model_config.vocab_size)
+        masks = plain_bitmask([s.grammar for s in seqs], self.model_config.vocab_size,
+                              self._grammars.batch if self._grammars is not None else None)
         if masks is not None:
             apply_token_bitmask(logits, *masks)
             masked = True

@@ -50,6 +50,7 @@ class GrammarCompiler:
         self.info = info
         self.vocab_size: int = info.vocab_size
         self._compiler = xgr.GrammarCompiler(info, max_threads=2)
+        self.batch = xgr.BatchGrammarMatcher()   # fills a step's mask rows in parallel (matcher.plain_bitmask)
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="kestrel-grammar")
         self._compiled: OrderedDict[StructuredOutput, Future] = OrderedDict()   # least recently used first
         self._lock = threading.Lock()
