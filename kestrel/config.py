@@ -16,6 +16,9 @@ DEFAULT_DRAFTER_DIR = DEFAULT_MODEL_DIR.parent / "kestrel-tiny-eagle3"
 # vLLM's --load-format names Kestrel has: auto, the checkpoint's own format (safetensors directory or .gguf file);
 # dummy, random weights (kestrel/models/dummy_weights.py)
 LOAD_FORMATS = ("auto", "dummy")
+# vLLM's --kv-cache-dtype names Kestrel has: auto, the model dtype; fp8 = fp8_e4m3, float8_e4m3fn with per-tensor
+# scales (kernels/kv_store.py). fp8_e5m2 and the others are refused by name.
+KV_CACHE_DTYPES = ("auto", "fp8", "fp8_e4m3")
 
 
 @dataclass(frozen=True, slots=True)
@@ -31,6 +34,7 @@ class EngineConfig:
     device: str = "auto"                   # auto | cpu | cuda | cuda:N
     dtype: str = "auto"                    # auto | float32 | bfloat16 | float16 (auto: config's on CUDA, fp32 on CPU)
     quantization: str | None = None        # fp8 | fp8-per-tensor: quantize a float checkpoint's linears at load
+    kv_cache_dtype: str = "auto"           # auto (the model dtype) | fp8 | fp8_e4m3 (same: e4m3, 1 byte an element)
     load_format: str = "auto"              # auto (read the checkpoint) | dummy (random weights, config.json only)
     seed: int = 0
     block_size: int = 16
@@ -83,6 +87,12 @@ class EngineConfig:
         if self.quantization not in (None, "fp8", "fp8-per-tensor"):
             raise KestrelError(f"--quantization {self.quantization!r} is invalid: expected fp8 or fp8-per-tensor "
                                "(FP8 checkpoints are recognised from their config.json without the flag)")
+        if self.kv_cache_dtype not in KV_CACHE_DTYPES:
+            raise KestrelError(f"--kv-cache-dtype {self.kv_cache_dtype!r} is invalid: expected auto (the model "
+                               "dtype), fp8 or fp8_e4m3 (the same: float8 e4m3 with per-tensor scales)")
+        if self.kv_cache_fp8 and self.attention_backend == "flashinfer":
+            raise KestrelError("--kv-cache-dtype fp8 is not supported with --attention-backend flashinfer; choose "
+                               "--attention-backend triton (or torch), or --kv-cache-dtype auto")
         if self.load_format not in LOAD_FORMATS:
             raise KestrelError(f"--load-format {self.load_format!r} is invalid: expected auto (read the checkpoint) "
                                "or dummy (random weights made on the device from config.json alone)")
@@ -112,6 +122,10 @@ class EngineConfig:
         if tp > 1 and self.speculative is not None:
             raise KestrelError("speculative decoding with --tensor-parallel-size > 1 is not supported yet: drop "
                                "one of them")
+
+    @property
+    def kv_cache_fp8(self) -> bool:
+        return self.kv_cache_dtype in ("fp8", "fp8_e4m3")
 
     @property
     def dist_address(self) -> tuple[str, int] | None:
@@ -277,6 +291,10 @@ def add_engine_args(parser: argparse.ArgumentParser, model_positional: bool = Fa
                         help="quantize a float checkpoint's linear layers to FP8 as it loads, one scale per output "
                         "channel (fp8) or per tensor; FP8 checkpoints (HF fp8, compressed-tensors) load as FP8 "
                         "without it")
+    parser.add_argument("--kv-cache-dtype", default="auto", choices=list(KV_CACHE_DTYPES),
+                        help="KV cache element type: auto (the model dtype) or fp8 (= fp8_e4m3: one byte an "
+                        "element, twice the tokens in the same memory; per-tensor k_scale/v_scale from the "
+                        "checkpoint when it has them, else 1.0)")
     parser.add_argument("--load-format", default="auto", choices=list(LOAD_FORMATS),
                         help="auto: read the checkpoint's weights; dummy: random weights made on the device, for "
                         "benchmarks (the model directory needs only config.json and the tokenizer)")

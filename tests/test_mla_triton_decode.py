@@ -68,9 +68,10 @@ def absorbed_both_ways(batch, cache, q_nope, q_pe, w_uk, w_uv, rank: int, rope: 
     from kestrel.kernels.triton import latent_decode
 
     class OnTheCpu(TritonAttentionBackend):   # the engine keeps the CPU on torch; here the kernel is under test
-        def latent_decode(self, q, latent_cache, batch, scale):
+        def latent_decode(self, q, latent_cache, batch, scale, latent_scale=1.0):
             return latent_decode.latent_decode_attention(q, latent_cache, batch.block_table, batch.kv_lens, scale,
-                                                         num_splits=num_splits, heads_per_program=heads_per_program)
+                                                         num_splits=num_splits, heads_per_program=heads_per_program,
+                                                         latent_scale=latent_scale)
 
     attn = LatentAttention(rank, (NOPE + rope) ** -0.5)
     ours = attn.absorbed(q_nope, q_pe, w_uk, w_uv, cache, batch, OnTheCpu())
@@ -146,10 +147,10 @@ def test_deepseek_decode_steps_through_the_kernel_keep_the_torch_logits(tmp_path
     from tests.test_moe_models import make_moe_checkpoint
 
     class KernelOnTheCpu(TorchAttentionBackend):
-        def latent_decode(self, q, latent_cache, batch, scale):
+        def latent_decode(self, q, latent_cache, batch, scale, latent_scale=1.0):
             calls.append(q.shape)
             return latent_decode.latent_decode_attention(q, latent_cache, batch.block_table, batch.kv_lens, scale,
-                                                         num_splits=2)
+                                                         num_splits=2, latent_scale=latent_scale)
 
     calls: list[torch.Size] = []
     llm = LLM(model=str(make_moe_checkpoint(tmp_path, name)), device="cpu", block_size=BLOCK)

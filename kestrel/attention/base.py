@@ -32,6 +32,11 @@ start + depth, not start + i, so causality comes from the mask, never from batch
 tree_mask is bool [S, max_query_len, max_query_len]: a node sees itself and its ancestors (the engine builds it),
 so every real row sees the root and its own diagonal; rows and columns at or past query_len[s] are padding and
 never read. A chain (each node's parent the one before it) is the ordinary causal step.
+
+KV cache dtype (--kv-cache-dtype): the model dtype, or float8_e4m3fn (one byte an element, twice the tokens in the
+same memory). An FP8 cache holds x / k_scale (x / v_scale) rounded to e4m3 (kernels/kv_store.py); every backend
+writes it so and multiplies by the scale as it reads. The scales are Python floats fixed when the weights load,
+so a captured CUDA graph holds them as constants.
 """
 from __future__ import annotations
 
@@ -59,6 +64,8 @@ class AttentionBackend(ABC):
         v_cache: torch.Tensor,
         batch: ForwardBatch,
         scale: float,
+        k_scale: float = 1.0,    # an FP8 cache's per-tensor scales (kernels/kv_store.py): cache = x / scale;
+        v_scale: float = 1.0,    # ignored for a cache of the model dtype
     ) -> torch.Tensor:           # [T, num_heads, head_dim]
         ...
 
@@ -82,8 +89,8 @@ class AttentionBackend(ABC):
         return False
 
     def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
-                      scale: float) -> torch.Tensor | None:
+                      scale: float, latent_scale: float = 1.0) -> torch.Tensor | None:
         """MLA's absorbed decode (attention/mla.py) as this backend's kernel: q [S, H, kv_lora + rope] over the
         latent cache [num_blocks, block_size, 1, kv_lora + rope] -> [S, H, kv_lora + rope], its first kv_lora
-        dims the attention. None where the backend has no such kernel for q's device: mla.py's torch road runs."""
+        dims the attention; latent_scale: an FP8 latent cache's. None where the backend has no such kernel for q's device: mla.py's torch road runs."""
         return None

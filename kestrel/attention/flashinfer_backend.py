@@ -31,6 +31,13 @@ def _import_flashinfer():
     return flashinfer
 
 
+def check_kv_cache_dtype(kv_dtype: torch.dtype) -> None:
+    """Kestrel hands FlashInfer no KV scales: an FP8 cache is refused rather than read unscaled."""
+    if kv_dtype.itemsize == 1:
+        raise KestrelError("attention backend 'flashinfer' does not support --kv-cache-dtype fp8 in Kestrel; "
+                           "choose --attention-backend triton (or torch), or --kv-cache-dtype auto")
+
+
 def check_head_dim(head_dim: int) -> None:
     if head_dim not in SUPPORTED_HEAD_DIMS:
         raise KestrelError(f"attention backend 'flashinfer' supports head_dim {SUPPORTED_HEAD_DIMS}, this model has "
@@ -51,7 +58,9 @@ class FlashInferAttentionBackend(AttentionBackend):
     def prepare(self, batch: ForwardBatch) -> None:
         self._planned_for = None   # plan again at the first layer of this step
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        check_kv_cache_dtype(k_cache.dtype)   # startup refuses it first (forward/startup.py)
         paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
         if self._planned_for is not batch:   # every layer of a step shares one plan
             assert batch.tree_mask is None, "flashinfer does not support tree masks (supports_tree_mask is False)"

@@ -32,6 +32,9 @@ On CUDA with the triton backend the absorbed decode's MQA is its split-K decode 
 (AttentionBackend.latent_decode, kernels/triton/latent_decode.py): one launch, no host reads, so the decode CUDA
 graphs capture MLA models. The up-projected form stays torch and reads block ids on the host, which is why MLA
 models run prefill and verify steps eagerly (forward/startup.py).
+
+An FP8 latent cache (--kv-cache-dtype fp8) holds entry / latent_scale in e4m3 (kernels/kv_store.py), one scale a
+layer (the checkpoint's k_scale, as vLLM reads it for MLA, else 1.0); every reader multiplies it back.
 """
 from __future__ import annotations
 
@@ -40,6 +43,7 @@ import torch
 from kestrel.attention.base import AttentionBackend
 from kestrel.attention.torch_ref import TorchAttentionBackend, paged_attention
 from kestrel.batch import ForwardBatch
+from kestrel.kernels.kv_store import dequantize, effective_scales, store_kv
 
 
 def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: torch.Tensor) -> torch.Tensor:
@@ -51,22 +55,24 @@ def rotate_interleaved(x: torch.Tensor, positions: torch.Tensor, cos_sin_cache: 
     return torch.cat([even * cos - odd * sin, odd * cos + even * sin], dim=-1)
 
 
-def write_latent(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_latent(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 latent_scale: float = 1.0) -> None:
     """entry [T, kv_lora_rank + rope] into each token's flat slot; slot -1 (padding) is skipped."""
     if latent_cache.is_cuda:   # boolean indexing reads the mask's count on the host: no CUDA graph holds it
-        write_latent_by_kernel(entry, latent_cache, slot_mapping)
+        write_latent_by_kernel(entry, latent_cache, slot_mapping, latent_scale)
         return
-    keep = slot_mapping >= 0
-    latent_cache.view(-1, latent_cache.shape[-1])[slot_mapping[keep]] = entry[keep].to(latent_cache.dtype)
+    rows = entry[:, None]
+    store_kv(rows, rows, latent_cache, latent_cache, slot_mapping, latent_scale, latent_scale)
 
 
-def write_latent_by_kernel(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor) -> None:
+def write_latent_by_kernel(entry: torch.Tensor, latent_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                           latent_scale: float = 1.0) -> None:
     """write_latent through the K/V store kernel, which skips slot -1 on the device (no host sync). "K" and "V"
     are the same row into the same cache: the second write repeats the first (a token's row, not the context)."""
-    from kestrel.kernels.triton.paged_attention import store_kv
+    from kestrel.kernels.triton.paged_attention import store_kv as store_kv_kernel
 
-    rows = entry.to(latent_cache.dtype)[:, None]
-    store_kv(rows, rows, latent_cache, latent_cache, slot_mapping)
+    rows = entry[:, None] if latent_cache.dtype.itemsize == 1 else entry.to(latent_cache.dtype)[:, None]
+    store_kv_kernel(rows, rows, latent_cache, latent_cache, slot_mapping, latent_scale, latent_scale)
 
 
 class LatentAttention:
@@ -79,33 +85,37 @@ class LatentAttention:
 
     def forward(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                 latent_cache: torch.Tensor, batch: ForwardBatch,
-                backend: AttentionBackend | None = None) -> torch.Tensor:
+                backend: AttentionBackend | None = None, latent_scale: float = 1.0) -> torch.Tensor:
         """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), w_uk [H, nope, kv_lora], w_uv [H, v, kv_lora]
         -> attention output [T, H, v]. backend: the runner's; its latent_decode kernel, if any, runs the
         absorbed decode's MQA (batch.max_query_len is a host int: choosing the form reads nothing back)."""
+        latent_scale = effective_scales(latent_cache, latent_scale, latent_scale)[0]
         if batch.max_query_len > 1:
-            return self.up_projected(q_nope, q_pe, w_uk, w_uv, latent_cache, batch)
-        return self.absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, batch, backend)
+            return self.up_projected(q_nope, q_pe, w_uk, w_uv, latent_cache, batch, latent_scale)
+        return self.absorbed(q_nope, q_pe, w_uk, w_uv, latent_cache, batch, backend, latent_scale)
 
     def absorbed(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
                  latent_cache: torch.Tensor, batch: ForwardBatch,
-                 backend: AttentionBackend | None = None) -> torch.Tensor:
+                 backend: AttentionBackend | None = None, latent_scale: float = 1.0) -> torch.Tensor:
         q_latent = torch.einsum("thn,hnr->thr", q_nope, w_uk)
         q = torch.cat([q_latent, q_pe], dim=-1)
         # values = the whole cached entry; its rope tail comes out as junk dims and is dropped
-        out = None if backend is None else backend.latent_decode(q, latent_cache, batch, self.scale)
+        out = None if backend is None else backend.latent_decode(q, latent_cache, batch, self.scale, latent_scale)
         if out is None:   # no kernel for this device: the paged torch reference (the CPU road and the oracle)
-            out = self.paged.forward(q, None, None, latent_cache, latent_cache, batch, self.scale)
+            out = self.paged.forward(q, None, None, latent_cache, latent_cache, batch, self.scale, latent_scale,
+                                     latent_scale)
         return torch.einsum("thr,hvr->thv", out[..., :self.kv_lora_rank], w_uv)
 
     def up_projected(self, q_nope: torch.Tensor, q_pe: torch.Tensor, w_uk: torch.Tensor, w_uv: torch.Tensor,
-                     latent_cache: torch.Tensor, batch: ForwardBatch) -> torch.Tensor:
+                     latent_cache: torch.Tensor, batch: ForwardBatch, latent_scale: float = 1.0) -> torch.Tensor:
         """The blocks the step reads, up-projected into a scratch K/V cache of their own (block ids renumbered
         0..U-1 in the same block table shape), then multi-head paged attention. Reads the block ids on the host."""
         block_size = latent_cache.shape[1]
         table = batch.block_table[:, :-(-batch.max_kv_len // block_size)].clamp(min=0)   # -1 pads: junk, masked
         blocks, local_table = torch.unique(table, return_inverse=True)
-        latent = latent_cache[blocks][:, :, 0].to(q_nope.dtype)                # [U, block_size, kv_lora + rope]
+        raw = latent_cache.view(torch.uint8) if latent_cache.dtype.itemsize == 1 else latent_cache   # FP8: bytes
+        latent = dequantize(raw[blocks][:, :, 0].view(latent_cache.dtype), latent_scale, q_nope.dtype)
+        #                                                                     [U, block_size, kv_lora + rope]
         c_kv, k_pe = latent.split([self.kv_lora_rank, q_pe.shape[-1]], dim=-1)
         heads = q_nope.shape[1]
         k_nope = torch.einsum("ubr,hnr->ubhn", c_kv, w_uk)

@@ -1,11 +1,13 @@
-"""Reference attention in plain torch (CPU and CUDA): the oracle the fast backends are checked against."""
+"""Reference attention in plain torch (CPU and CUDA): the oracle the fast backends are checked against.
+
+An FP8 cache (kernels/kv_store.py) is dequantized as it is gathered: keys times k_scale, values times v_scale."""
 from __future__ import annotations
 
 import torch
 
 from kestrel.attention.base import AttentionBackend
 from kestrel.batch import ForwardBatch
-from kestrel.kernels.kv_store import store_kv, store_kv_unpadded  # noqa: F401 - the reference backend's write
+from kestrel.kernels.kv_store import dequantize, effective_scales, store_kv, store_kv_unpadded  # noqa: F401 - the reference backend's write
 
 
 def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -> torch.Tensor:
@@ -13,19 +15,24 @@ def gather_kv(cache: torch.Tensor, block_table: torch.Tensor, max_kv_len: int) -
     block_size = cache.shape[1]
     num_blocks = (max_kv_len + block_size - 1) // block_size
     table = block_table[:, :num_blocks].clamp(min=0).long()
-    dense = cache[table]                                  # [S, nb, bs, H, D]
+    if cache.dtype.itemsize == 1:   # FP8: gathered as bytes (torch's indexing has no FP8 kernel on every device)
+        dense = cache.view(torch.uint8)[table].view(cache.dtype)
+    else:
+        dense = cache[table]                              # [S, nb, bs, H, D]
     return dense.flatten(1, 2)[:, :max_kv_len]
 
 
 def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
                     query_start_loc: torch.Tensor, kv_lens: torch.Tensor, max_query_len: int, max_kv_len: int,
-                    scale: float, tree_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Causal attention of ragged queries [T, Hq, D] over the paged cache; returns [T, Hq, D].
+                    scale: float, tree_mask: torch.Tensor | None = None, k_scale: float = 1.0,
+                    v_scale: float = 1.0) -> torch.Tensor:
+    """Causal attention of ragged queries [T, Hq, D] over the paged cache; returns [T, Hq, D]. k_scale, v_scale:
+    an FP8 cache's dequantization scales (ignored for any other cache dtype).
 
     With tree_mask [S, max_query_len, max_query_len] bool (base.py draws it), query i sees every key before the
     step and the step's key j iff tree_mask[s, i, j], instead of the step's keys 0 .. i."""
     if max_query_len == 1 and tree_mask is None:
-        return decode_attention(q, k_cache, v_cache, block_table, kv_lens, max_kv_len, scale)
+        return decode_attention(q, k_cache, v_cache, block_table, kv_lens, max_kv_len, scale, k_scale, v_scale)
     num_seqs = kv_lens.shape[0]
     num_heads, head_dim = q.shape[1], q.shape[2]
     num_kv_heads = k_cache.shape[2]
@@ -36,8 +43,8 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
     token_idx = torch.arange(q.shape[0], device=device) - query_start_loc[:-1].long()[token_seq]
     q_pad = q.new_zeros(num_seqs, max_query_len, num_heads, head_dim)
     q_pad[token_seq, token_idx] = q
-    keys = gather_kv(k_cache, block_table, max_kv_len).to(q.dtype)
-    values = gather_kv(v_cache, block_table, max_kv_len).to(q.dtype)
+    keys = dequantize(gather_kv(k_cache, block_table, max_kv_len), k_scale, q.dtype)
+    values = dequantize(gather_kv(v_cache, block_table, max_kv_len), v_scale, q.dtype)
     group = num_heads // num_kv_heads
     keys = keys.repeat_interleave(group, dim=2)           # GQA: each kv head serves `group` query heads
     values = values.repeat_interleave(group, dim=2)
@@ -64,15 +71,16 @@ def paged_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tenso
 
 
 def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, block_table: torch.Tensor,
-                     kv_lens: torch.Tensor, max_kv_len: int, scale: float) -> torch.Tensor:
+                     kv_lens: torch.Tensor, max_kv_len: int, scale: float, k_scale: float = 1.0,
+                     v_scale: float = 1.0) -> torch.Tensor:
     """paged_attention for one query token a sequence, [S, Hq, D]: the query heads grouped by their KV head, so the
     gathered keys and values are read as they are, never repeated per query head (a 245-sequence CPU decode step
     spent most of its time copying them)."""
     num_seqs, num_heads, head_dim = q.shape
     num_kv_heads = k_cache.shape[2]
     group = num_heads // num_kv_heads
-    keys = gather_kv(k_cache, block_table, max_kv_len).transpose(1, 2).float()      # [S, Hkv, K, D]
-    values = gather_kv(v_cache, block_table, max_kv_len).transpose(1, 2).float()
+    keys = dequantize(gather_kv(k_cache, block_table, max_kv_len), k_scale, torch.float32).transpose(1, 2)
+    values = dequantize(gather_kv(v_cache, block_table, max_kv_len), v_scale, torch.float32).transpose(1, 2)
     valid = torch.arange(max_kv_len, device=q.device)[None, :] < kv_lens.long()[:, None]   # [S, K]
     values = values.masked_fill(~valid[:, None, :, None], 0.0)   # junk past a sequence's end: 0 * NaN is NaN
     qg = q.float().view(num_seqs, num_kv_heads, group, head_dim)
@@ -91,18 +99,20 @@ class TorchAttentionBackend(AttentionBackend):
     def supports_tree_mask(self) -> bool:
         return True
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
+        k_scale, v_scale = effective_scales(k_cache, k_scale, v_scale)
         if k is not None:   # None: the model's attention prologue already wrote this step's K/V
-            store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
         if q.device.type == "cpu" and batch.tree_mask is None and batch.max_query_len > 1 \
                 and batch.kv_lens.numel() > 1:
-            return _attend_in_groups(q, k_cache, v_cache, batch, scale)
+            return _attend_in_groups(q, k_cache, v_cache, batch, scale, k_scale, v_scale)
         return paged_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc, batch.kv_lens,
-                               batch.max_query_len, batch.max_kv_len, scale, batch.tree_mask)
+                               batch.max_query_len, batch.max_kv_len, scale, batch.tree_mask, k_scale, v_scale)
 
 
 def _attend_in_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, batch: ForwardBatch,
-                      scale: float) -> torch.Tensor:
+                      scale: float, k_scale: float, v_scale: float) -> torch.Tensor:
     """A mixed step on the CPU: the single-token rows together, each longer chunk alone. One padded call would
     cost sequences x longest chunk x longest context (a 600-token prompt beside 255 decodes: 256 x 600 x 700
     scores a head), where this costs what each sequence needs. CPU only: the lengths are read on the host."""
@@ -118,5 +128,6 @@ def _attend_in_groups(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Ten
         lens = [starts[s + 1] - starts[s] for s in seqs]
         loc = torch.tensor([0] + lens, dtype=batch.query_start_loc.dtype).cumsum(0)
         out[rows] = paged_attention(q[rows], k_cache, v_cache, batch.block_table[index], loc,
-                                    batch.kv_lens[index], max(lens), max(kv_lens[s] for s in seqs), scale)
+                                    batch.kv_lens[index], max(lens), max(kv_lens[s] for s in seqs), scale,
+                                    k_scale=k_scale, v_scale=v_scale)
     return out

@@ -41,40 +41,42 @@ class TritonAttentionBackend(AttentionBackend):
         self._max_batch_size = max_batch_size
         self._partials = None   # (re)allocated at the next decode forward, sized for max_batch_size
 
-    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float) -> torch.Tensor:
+    def forward(self, q, k, v, k_cache, v_cache, batch: ForwardBatch, scale: float, k_scale: float = 1.0,
+                v_scale: float = 1.0) -> torch.Tensor:
         if k is not None:   # None: the fused attention prologue already wrote this step's K/V
-            paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping)
+            paged_attention.store_kv(k, v, k_cache, v_cache, batch.slot_mapping, k_scale, v_scale)
         if batch.is_decode:   # a tree of one node (no drafts) is its own root: its [S, 1, 1] mask is causal
             assert q.shape[0] == batch.num_seqs, "a decode batch has exactly one query token per sequence"
             num_seqs, num_heads, head_dim = q.shape
-            if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # KESTREL_CLUSTER_DECODE: no scratch
+            if cluster_decode.usable(q, k_cache, v_cache, num_seqs):   # bf16 caches only; no scratch
                 return cluster_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale)
             partials = self._decode_partials(num_seqs, num_heads, k_cache.shape[2], head_dim, q.device)
             return paged_decode.decode_attention(q, k_cache, v_cache, batch.block_table, batch.kv_lens, scale,
-                                                   partials=partials)
+                                                   partials=partials, k_scale=k_scale, v_scale=v_scale)
         return paged_attention.extend_attention(q, k_cache, v_cache, batch.block_table, batch.query_start_loc,
-                                               batch.kv_lens, batch.max_query_len, scale, batch.tree_mask)
+                                               batch.kv_lens, batch.max_query_len, scale, batch.tree_mask,
+                                               k_scale, v_scale)
 
     def supports_latent_decode(self) -> bool:
         return True
 
     def latent_decode(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
-                      scale: float) -> torch.Tensor | None:
+                      scale: float, latent_scale: float = 1.0) -> torch.Tensor | None:
         """The absorbed MLA decode through the split-K kernel (kernels/triton/latent_decode.py), with the same
         graph-static scratch as K/V decode (an MLA model runs no K/V attention, so its layers are the only users).
         On CPU tensors the kernel runs only under Triton's interpreter, which the tests call directly: the engine's
         CPU road stays torch."""
         if q.device.type != "cuda":
             return None
-        return self.latent_decode_on_any_device(q, latent_cache, batch, scale)
+        return self.latent_decode_on_any_device(q, latent_cache, batch, scale, latent_scale)
 
     def latent_decode_on_any_device(self, q: torch.Tensor, latent_cache: torch.Tensor, batch: ForwardBatch,
-                                    scale: float) -> torch.Tensor:
+                                    scale: float, latent_scale: float = 1.0) -> torch.Tensor:
         assert batch.is_decode and q.shape[0] == batch.num_seqs, "the absorbed decode takes one query a sequence"
         num_seqs, num_heads, width = q.shape
         partials = self._decode_partials(num_seqs, num_heads, latent_decode.head_groups(num_heads), width, q.device)
         return latent_decode.latent_decode_attention(q, latent_cache, batch.block_table, batch.kv_lens, scale,
-                                                     partials=partials)
+                                                     partials=partials, latent_scale=latent_scale)
 
     def _decode_partials(self, num_seqs: int, num_heads: int, num_kv_heads: int, head_dim: int,
                          device: torch.device) -> paged_decode.DecodeScratch | None:

@@ -434,6 +434,8 @@ class SpeculativeDecoding:
         if not src:
             return
         kv = self.runner.kv_cache   # [layers, planes, num_blocks, block_size, kv_heads, head_dim]
+        if kv.dtype.itemsize == 1:   # FP8: moved as bytes (torch's index_put has no FP8 kernel on every device)
+            kv = kv.view(torch.uint8)
         flat = kv.view(kv.shape[0], kv.shape[1], -1, *kv.shape[4:])   # K, V planes (MLA: one latent)
         device = kv.device
         flat[:, :, torch.tensor(dst, device=device)] = flat[:, :, torch.tensor(src, device=device)]

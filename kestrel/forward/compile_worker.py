@@ -12,7 +12,8 @@ from pathlib import Path
 import torch
 
 from kestrel.forward.compile_ahead import WORKER_LAYERS, Job
-from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, warm_up
+from kestrel.forward.startup import build_model, profile_activation_peak, resolve_dtype, resolve_kv_dtype
+from kestrel.forward.warm_up import warm_up
 from kestrel.forward.decode_graphs import DecodeGraphs
 from kestrel.forward.prefill_graphs import PrefillGraphs
 from kestrel.forward.runner import ModelRunner
@@ -30,7 +31,8 @@ def run_job(job: Job) -> None:
     dtype = resolve_dtype(config.dtype, cfg, device)
     model, backend, _ = build_model(config, cfg, device, dtype)
     model.eval()
-    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size)
+    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size,
+                         kv_dtype=resolve_kv_dtype(config.kv_cache_dtype, dtype))
     max_blocks = -(-job.max_model_len // config.block_size)
     cuda = device.type == "cuda"
     if job.prefill:
@@ -39,7 +41,7 @@ def run_job(job: Job) -> None:
         runner.allocate_kv_cache(2)
         if not config.disable_prefill_cuda_graph:
             PrefillGraphs(runner, max_blocks, config.max_num_batched_tokens).capture(dry_run=not cuda)
-        warm_up(runner, config.block_size)
+        warm_up(runner, config.block_size, config.max_num_batched_tokens, job.max_model_len)
         runner.free_kv_cache()
     if job.buckets:
         runner.allocate_kv_cache(2)

@@ -9,7 +9,8 @@ ForwardBatch and runs `forward` on it (inside a captured graph or not), so each 
     anything else                                           -> eager forward
 
 KV cache memory, one pair per layer (views into one allocation), of this rank's KV heads (all of them with one
-rank; layers/linear.py says which with several):
+rank; layers/linear.py says which with several), in kv_dtype (the model dtype, or float8_e4m3fn with
+--kv-cache-dtype fp8: one byte an element, so the same memory holds twice the blocks of a 16-bit cache):
 
     kv_cache: [num_layers, 2, num_blocks, block_size, num_kv_heads_per_rank, head_dim]
     layer l:  k_cache = kv_cache[l, 0], v_cache = kv_cache[l, 1]
@@ -52,13 +53,14 @@ def kv_bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype, tp
 class ModelRunner:
     def __init__(self, model: nn.Module, cfg: ModelConfig, backend: AttentionBackend, device: torch.device,
                  dtype: torch.dtype, block_size: int, capture_hidden_layers: tuple[int, ...] = (),
-                 tp: TPGroup = SINGLE) -> None:
+                 tp: TPGroup = SINGLE, kv_dtype: torch.dtype | None = None) -> None:
         self.model = model
         self.tp = tp   # the model's shard: the KV cache holds this rank's KV heads
         self.cfg = cfg
         self.backend = backend
         self.device = device
         self.dtype = dtype
+        self.kv_dtype = kv_dtype or dtype   # the KV cache's element type
         self.block_size = block_size
         self.kv_cache: torch.Tensor | None = None
         self.kv_caches: list[tuple[torch.Tensor, ...]] = []   # (k, v) a layer, or (latent,) with MLA
@@ -74,7 +76,7 @@ class ModelRunner:
         # Zeroed: padded rows and masked positions read slots nobody wrote, and they must hold finite numbers.
         planes, heads, width = kv_layout(cfg, self.tp.size)
         self.kv_cache = torch.zeros(cfg.num_layers, planes, num_blocks, self.block_size, heads, width,
-                                    dtype=self.dtype, device=self.device)
+                                    dtype=self.kv_dtype, device=self.device)
         self.kv_caches = [tuple(self.kv_cache[i].unbind(0)) for i in range(cfg.num_layers)]
 
     def free_kv_cache(self) -> None:
@@ -91,6 +93,11 @@ class ModelRunner:
     def decodes_in_graph(self, num_seqs: int) -> bool:
         """Whether a decode step of num_seqs sequences (one query token each) replays a graph."""
         return self.graphs is not None and self.graphs.can_run(num_seqs)
+
+    def replays(self, chunks: list[SequenceChunk]) -> bool:
+        """Whether execute(chunks) replays a captured graph (the eager road otherwise)."""
+        return any(g is not None and g.can_run_chunks(chunks)
+                   for g in (self.graphs, self.verify_graphs, self.prefill_graphs))
 
     @torch.inference_mode()
     def execute(self, chunks: list[SequenceChunk]) -> ForwardOutput:

@@ -23,11 +23,14 @@ from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.forward.compile_ahead import start_compile_ahead
 from kestrel.batch import ForwardBatch, build_forward_batch
 from kestrel.forward.runner import ModelRunner, kv_bytes_per_block
+from kestrel.forward.warm_up import warm_up
 from kestrel.errors import KestrelError, ModelLoadError
 from kestrel.layers.fp8 import keep_float, with_fp8
+from kestrel.kernels.kv_store import FP8_KV_DTYPE
 from kestrel.layers.ops import LayerOps, choose_layer_ops
 from kestrel.models.checkpoint import load_model_config, load_weights
 from kestrel.models.dummy_weights import init_dummy_weights
+from kestrel.models.kv_scales import load_kv_scales
 from kestrel.models.model_config import ModelConfig
 from kestrel.models.quantization import checkpoint_modules, fp8_scheme
 from kestrel.models.registry import model_class
@@ -77,6 +80,11 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
         else torch.bfloat16
 
 
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the model dtype; fp8 / fp8_e4m3 is float8_e4m3fn (EngineConfig validated it)."""
+    return FP8_KV_DTYPE if name in ("fp8", "fp8_e4m3") else dtype
+
+
 def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE) -> RunnerSetup:
     progress.begin("resolving_model")
     path = config.model_path
@@ -113,8 +121,11 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
         init_dummy_weights(model, config.seed, progress)
     else:
         load_weights(model, path, progress)
+    kv_dtype = resolve_kv_dtype(config.kv_cache_dtype, dtype)
+    if config.kv_cache_fp8 and config.load_format != "dummy":
+        load_kv_scales(model, path)   # before any graph is captured: the scales are constants of its kernels
     model.eval()
-    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size, tp=tp)
+    runner = ModelRunner(model, cfg, backend, device, dtype, config.block_size, tp=tp, kv_dtype=kv_dtype)
     spec = config.speculative
     drafter = None
     if spec is not None and spec.method == "eagle3":
@@ -140,8 +151,10 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
     drafter_kv = None
     if drafter is not None:
         drafter_kv = torch.zeros(drafter.kv_cache_shape(num_blocks, config.block_size), dtype=dtype, device=device)
-    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB)", num_blocks, config.block_size,
-                num_blocks * config.block_size, num_blocks * kv_bytes_per_block(cfg, config.block_size, dtype, tp.size) / 1e9)
+    logger.info("KV cache: %d blocks of %d tokens = %d tokens (%.2f GB, %s)", num_blocks, config.block_size,
+                num_blocks * config.block_size,
+                num_blocks * kv_bytes_per_block(cfg, config.block_size, kv_dtype, tp.size) / 1e9,
+                str(kv_dtype).removeprefix("torch."))
 
     drafter_graphs = None
     graphs = device.type == "cuda" and not config.disable_cuda_graph
@@ -173,7 +186,7 @@ def build_runner(config: EngineConfig, progress: Progress, tp: TPGroup = SINGLE)
                                                         spec.num_speculative_tokens, spec.topk, progress)
 
     progress.begin("warming_up")
-    warm_up(runner, config.block_size)
+    warm_up(runner, config.block_size, config.max_num_batched_tokens, max_model_len)
     if not tokenizer.done:   # it loads on a thread from the start; said when startup waits for it
         progress.begin("loading_tokenizer")
     return RunnerSetup(runner, cfg, tokenizer.result(), num_blocks, max_model_len, drafter, drafter_kv, drafter_graphs)
@@ -231,7 +244,8 @@ def select_attention_backend(config: EngineConfig, device: torch.device) -> Atte
 def size_kv_cache(config: EngineConfig, cfg: ModelConfig, runner: ModelRunner, max_model_len: int,
                   extra_bytes_per_block: int = 0) -> int:
     """Blocks of KV cache; extra_bytes_per_block: a drafter's cache, which lives in the same blocks."""
-    per_block = kv_bytes_per_block(cfg, config.block_size, runner.dtype, runner.tp.size) + extra_bytes_per_block
+    # an FP8 cache counts one byte an element: the same budget holds twice the blocks of a 16-bit one
+    per_block = kv_bytes_per_block(cfg, config.block_size, runner.kv_dtype, runner.tp.size) + extra_bytes_per_block
     # More blocks than every sequence at full length (times 2, for cached prefixes) would never be used.
     useful = 2 * config.max_num_seqs * -(-max_model_len // config.block_size)
     if config.num_gpu_blocks_override is not None:
@@ -290,11 +304,3 @@ def compile_backend_kernels(runner: ModelRunner, block_size: int) -> None:
             torch.cuda.synchronize(runner.device)
     finally:
         runner.free_kv_cache()
-
-
-def warm_up(runner: ModelRunner, block_size: int) -> None:
-    """One tiny prefill + decode so lazy initialisation (kernels, allocator) happens before the first request."""
-    batch = build_forward_batch([[0, 0]], [0], [[0]], block_size)
-    runner.forward(batch)
-    if runner.device.type == "cuda":
-        torch.cuda.synchronize(runner.device)

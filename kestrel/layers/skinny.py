@@ -103,6 +103,8 @@ class SkinnyLinearMethod(LinearMethod):
         cuda = self.cuda
         if cuda is None or cuda.add_rms_norm_gemv_rope is None or not self._cuda(x, layer, norm=True):
             return None
+        if rope.k_cache.dtype != x.dtype:   # an FP8 cache: the CUDA fold writes the model dtype only
+            return None
         return cuda.add_rms_norm_gemv_rope(
             x, residual, norm.weight, norm.eps, layer.weight, layer.bias, positions=rope.positions,
             cos_sin_cache=rope.cos_sin_cache, k_cache=rope.k_cache, v_cache=rope.v_cache,

@@ -80,6 +80,8 @@ class MLAttention(nn.Module):
         self.interleaved = cfg.rope_interleave
         self.rotary = rotary   # the model's table, rope dims wide (shared, not a child module)
         self.latent = LatentAttention(self.kv_lora_rank, softmax_scale(qk_dim, cfg.rope_scaling))
+        # an FP8 latent cache's scale: the checkpoint's k_scale (models/kv_scales.py), else 1.0; v_scale unused
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
                 backend: AttentionBackend | None, latent_cache: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -99,12 +101,12 @@ class MLAttention(nn.Module):
             k_pe = rotate_interleaved(k_pe, batch.positions, cache)
         else:
             q_pe, k_pe = self.rotary.forward(batch.positions, q_pe, k_pe)
-        write_latent(torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), latent_cache, batch.slot_mapping)
+        write_latent(torch.cat([c_kv, k_pe.squeeze(1)], dim=-1), latent_cache, batch.slot_mapping, self.k_scale)
         # W_UK and W_UV are kv_b_proj's rows read as per-head matrices, not a call of the layer (a
         # quantized method would hand them over dequantized here).
         w_kv = self.kv_b_proj.weight.view(self.num_heads, self.nope + self.v_dim, self.kv_lora_rank)
         out = self.latent.forward(q_nope, q_pe, w_kv[:, :self.nope], w_kv[:, self.nope:], latent_cache, batch,
-                                  backend)
+                                  backend, self.k_scale)
         return self.o_proj(out.reshape(tokens, self.num_heads * self.v_dim)), residual
 
 

@@ -41,6 +41,9 @@ class Attention(nn.Module):
         self.rotary = rotary   # shared by all layers, not a child module (one cos/sin cache)
         # q/k norm + rotary + K/V write in one kernel (layers/ops.py), or None: the backend writes K/V
         self.prologue = ops.attn_prologue
+        # an FP8 KV cache's per-tensor scales (cache = x / scale): the checkpoint's (models/kv_scales.py), else
+        # 1.0; plain floats, so CUDA graphs capture them as constants. A cache of the model dtype ignores them.
+        self.k_scale = self.v_scale = 1.0
 
     def forward(self, hidden: torch.Tensor, residual: torch.Tensor | None, norm: RMSNorm, batch: ForwardBatch,
                 backend: AttentionBackend, k_cache: torch.Tensor, v_cache: torch.Tensor
@@ -60,7 +63,8 @@ class Attention(nn.Module):
     def attend_prewritten(self, q: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                           k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
         """Rotated q [T, num_heads, head_dim], this step's K/V already in the cache -> attention output."""
-        return backend.forward(q, None, None, k_cache, v_cache, batch, self.scale).reshape(-1, self.q_size)
+        return backend.forward(q, None, None, k_cache, v_cache, batch, self.scale, self.k_scale,
+                               self.v_scale).reshape(-1, self.q_size)
 
     def attend(self, qkv: torch.Tensor, batch: ForwardBatch, backend: AttentionBackend,
                k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
@@ -71,7 +75,7 @@ class Attention(nn.Module):
             eps = self.q_norm.eps if self.q_norm is not None else 0.0
             q = self.prologue(qkv, q_norm_w, k_norm_w, eps, batch.positions, self.rotary.cos_sin_cache,
                               k_cache, v_cache, batch.slot_mapping, self.num_heads, self.num_kv_heads,
-                              self.head_dim)
+                              self.head_dim, k_scale=self.k_scale, v_scale=self.v_scale)
             return self.attend_prewritten(q, batch, backend, k_cache, v_cache)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q = q.view(-1, self.num_heads, self.head_dim)
@@ -80,7 +84,7 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary.forward(batch.positions, q, k)
-        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale)
+        out = backend.forward(q, k, v, k_cache, v_cache, batch, self.scale, self.k_scale, self.v_scale)
         return out.reshape(-1, self.q_size)
 
 

@@ -9,8 +9,17 @@ from torch import nn
 from kestrel.errors import ModelLoadError
 
 # input_scale: a static FP8 activation scale; Kestrel quantizes activations per token as they come (layers/fp8.py).
-# k_scale / v_scale: an FP8 KV cache's scales; Kestrel's KV cache keeps the model dtype, so they have no use.
-IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale")
+# An FP8 KV cache's per-tensor scales, by their name after "layers.{i}.self_attn." -> the scales it sets (the
+# formats are listed in models/kv_scales.py, which reads them; the placer leaves them alone).
+KV_SCALE_NAMES: dict[str, tuple[str, ...]] = {
+    "k_scale": ("k",), "v_scale": ("v",),
+    "attn.k_scale": ("k",), "attn.v_scale": ("v",),
+    "k_proj.k_scale": ("k",), "v_proj.v_scale": ("v",),
+    "k_proj.output_scale": ("k",), "v_proj.output_scale": ("v",),
+    "kv_scale": ("k", "v"),
+}
+IGNORED_SUFFIXES = ("rotary_emb.inv_freq", ".input_scale", ".k_scale", ".v_scale") + \
+    tuple(f".self_attn.{name}" for name in KV_SCALE_NAMES)
 
 
 def _target(name: str, packed: dict[str, tuple[str, object]]) -> tuple[str, object | None]:

@@ -40,6 +40,7 @@ import triton.language as tl
 
 from kestrel.kernels import kv_store
 from kestrel.kernels.triton.fused_ops import HF_ROUNDING, apply_rotary_ref, rms_norm_ref
+from kestrel.kernels.triton.paged_attention import fp8_quantize
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 
@@ -47,7 +48,8 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
                            eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                            k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
                            num_heads: int, num_kv_heads: int, head_dim: int,
-                           store_kv: Callable[..., None] = kv_store.store_kv) -> torch.Tensor:
+                           store_kv: Callable[..., None] = kv_store.store_kv, k_scale: float = 1.0,
+                           v_scale: float = 1.0) -> torch.Tensor:
     """Torch twin of qk_norm_rope_store, composed of the existing references; returns q [T, Hq, D].
     store_kv=kv_store.store_kv_unpadded makes it capturable where no slot is padding."""
     q_size, kv_size = num_heads * head_dim, num_kv_heads * head_dim
@@ -60,7 +62,7 @@ def qk_norm_rope_store_ref(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_n
     if k_norm_w is not None:
         k = rms_norm_ref(k, k_norm_w, eps)
     q, k = apply_rotary_ref(q, k, positions, cos_sin_cache)
-    store_kv(k, v, k_cache, v_cache, slot_mapping)
+    store_kv(k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     return q.contiguous()
 
 
@@ -107,8 +109,12 @@ def new_v_halves(row, kv_head, cols, mask, NUM_HEADS: tl.constexpr, NUM_KV_HEADS
 @triton.jit
 def store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, mask,
                  stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
-                 HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr):
-    """A new token's k and v halves into the caches at `slot` (>= 0), head kv_head."""
+                 HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, k_scale, v_scale, FP8: tl.constexpr):
+    """A new token's k and v halves into the caches at `slot` (>= 0), head kv_head; an FP8 cache gets x / scale
+    (paged_attention.fp8_quantize)."""
+    if FP8:
+        k1, k2 = fp8_quantize(k1, k_scale), fp8_quantize(k2, k_scale)
+        v1, v2 = fp8_quantize(v1, v_scale), fp8_quantize(v2, v_scale)
     block = slot // BLOCK_SIZE
     offset = slot % BLOCK_SIZE
     k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off + kv_head * stride_kc_head
@@ -123,7 +129,8 @@ def store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, 
 def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
                  stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
                  NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
-                 BLOCK_SIZE: tl.constexpr, HAS_K_NORM: tl.constexpr):
+                 BLOCK_SIZE: tl.constexpr, HAS_K_NORM: tl.constexpr, k_scale, v_scale,
+                 FP8: tl.constexpr):
     """k head kv_head of the qkv row at `row`, normalised and rotated, and the matching v head, into the caches at
     `slot` (>= 0)."""
     k1, k2 = _norm_rotate_head(row + (NUM_HEADS + kv_head) * HEAD_DIM, k_norm_ptr, cos, sin, eps, cols, mask,
@@ -131,7 +138,7 @@ def write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_ca
     v1, v2 = new_v_halves(row, kv_head, cols, mask, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF)
     store_new_kv(k1, k2, v1, v2, slot, kv_head, k_cache_ptr, v_cache_ptr, cols, mask,
                  stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off, stride_vc_head,
-                 HALF, BLOCK_SIZE)
+                 HALF, BLOCK_SIZE, k_scale, v_scale, FP8)
 
 
 @triton.jit
@@ -141,10 +148,10 @@ def _qk_norm_rope_store_kernel(
     stride_qkv, stride_q_out_t, stride_q_out_h, stride_cos_sin,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
-    eps,
+    eps, k_scale, v_scale,
     NUM_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, HALF: tl.constexpr,
     BLOCK_HALF: tl.constexpr, BLOCK_SIZE: tl.constexpr, HAS_Q_NORM: tl.constexpr, HAS_K_NORM: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -167,14 +174,17 @@ def _qk_norm_rope_store_kernel(
         if slot >= 0:   # slot -1 marks padding: nothing to write
             write_new_kv(row, k_norm_ptr, cos, sin, eps, cols, mask, slot, kv_head, k_cache_ptr, v_cache_ptr,
                          stride_kc_block, stride_kc_off, stride_kc_head, stride_vc_block, stride_vc_off,
-                         stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM)
+                         stride_vc_head, NUM_HEADS, NUM_KV_HEADS, HEAD_DIM, HALF, BLOCK_SIZE, HAS_K_NORM,
+                         k_scale, v_scale, FP8)
 
 
 def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_w: torch.Tensor | None,
                        eps: float, positions: torch.Tensor, cos_sin_cache: torch.Tensor,
                        k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                       num_heads: int, num_kv_heads: int, head_dim: int) -> torch.Tensor:
+                       num_heads: int, num_kv_heads: int, head_dim: int, k_scale: float = 1.0,
+                       v_scale: float = 1.0) -> torch.Tensor:
     """qkv [T, (Hq + 2Hkv) * D] -> rotated q [T, Hq, D] (new); normed, rotated k and v written to the caches.
+    k_scale, v_scale: an FP8 cache's (kernels/kv_store.py; ignored for any other cache dtype).
 
     q_norm_w / k_norm_w: [D] per-head RMSNorm weights in qkv's dtype, or None (no qk-norm).
     cos_sin_cache: [max_position, D] = [cos | sin] in fp32 (full rotary only).
@@ -195,6 +205,7 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
     if num_tokens == 0:
         return q
     half = head_dim // 2
+    k_scale, v_scale = kv_store.effective_scales(k_cache, k_scale, v_scale)
     _qk_norm_rope_store_kernel[(num_tokens, num_heads + num_kv_heads)](
         qkv, q,
         q_norm_w if q_norm_w is not None else qkv, k_norm_w if k_norm_w is not None else qkv,   # unused if None
@@ -202,10 +213,10 @@ def qk_norm_rope_store(qkv: torch.Tensor, q_norm_w: torch.Tensor | None, k_norm_
         qkv.stride(0), q.stride(0), q.stride(1), cos_sin_cache.stride(0),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
-        eps,
+        eps, k_scale, v_scale,
         NUM_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HALF=half,
         BLOCK_HALF=triton.next_power_of_2(half), BLOCK_SIZE=k_cache.shape[1],
-        HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None,
+        HAS_Q_NORM=q_norm_w is not None, HAS_K_NORM=k_norm_w is not None, FP8=kv_store.is_fp8(k_cache),
         num_warps=1 if head_dim <= 128 else 2,
         **launch_options(qkv.device), **HF_ROUNDING,
     )

@@ -48,10 +48,12 @@ def latent_decode_attention(
     partials: paged_decode.DecodeScratch | None = None,
     num_splits: int | None = None,
     heads_per_program: int = HEADS_PER_PROGRAM,
+    latent_scale: float = 1.0,    # an FP8 latent cache's scale (kernels/kv_store.py); ignored for any other dtype
 ) -> torch.Tensor:                # [S, H, kv_lora_rank + rope]; the first kv_lora_rank dims are the attention
     """One launch, no host sync, so CUDA graphs capture it (pass static partials from alloc_latent_partials)."""
     assert latent_cache.shape[2] == 1, f"a latent cache has one head, not {latent_cache.shape[2]}"
     groups = head_groups(q.shape[1], heads_per_program)
     cache = latent_cache.expand(-1, -1, groups, -1)   # every "kv head" is the latent: no copy
     return paged_decode.decode_attention(q, cache, cache, block_table, kv_lens, scale, num_splits=num_splits,
-                                         partials=partials, tiles=LATENT_TILES)
+                                         partials=partials, tiles=LATENT_TILES, k_scale=latent_scale,
+                                         v_scale=latent_scale)

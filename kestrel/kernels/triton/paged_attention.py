@@ -4,6 +4,10 @@
 Cache layout (base.py draws it): k_cache, v_cache: [num_blocks, block_size, num_kv_heads, head_dim];
 token p of sequence s lives at block_table[s, p // block_size], offset p % block_size.
 
+FP8 cache (kernels/kv_store.py): store_kv writes x / scale clamped to +-448 in e4m3 (FP8 constexpr); the attention
+kernels take the tile as it is and upcast it as they would a bf16 one, with k_scale folded into the softmax scale
+and v_scale into the output (both are per tensor, so that is the same as dequantizing every element).
+
 The torch oracle for every kernel is kestrel/attention/torch_ref.py. On CPU tensors the kernels only run under
 Triton's interpreter (TRITON_INTERPRET=1 set before triton is imported); that is how the CPU tests run them.
 """
@@ -15,8 +19,10 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.kv_store import FP8_KV_MAX, effective_scales, is_fp8
 
 LOG2E = math.log2(math.e)
+FP8_MAX: tl.constexpr = tl.constexpr(FP8_KV_MAX)   # e4m3's largest finite value
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -26,11 +32,12 @@ LOG2E = math.log2(math.e)
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slot_ptr,
+    k_scale, v_scale,            # FP8: the cache holds x / scale
     stride_kt, stride_kh, stride_vt, stride_vh,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
     NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_D: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr, FP8: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slot_ptr + token).to(tl.int64)
@@ -42,6 +49,9 @@ def _store_kv_kernel(
         mask = (heads[:, None] < NUM_KV_HEADS) & (dims[None, :] < HEAD_DIM)
         k = tl.load(k_ptr + token * stride_kt + heads[:, None] * stride_kh + dims[None, :], mask=mask)
         v = tl.load(v_ptr + token * stride_vt + heads[:, None] * stride_vh + dims[None, :], mask=mask)
+        if FP8:
+            k = fp8_quantize(k, k_scale)
+            v = fp8_quantize(v, v_scale)
         k_dst = k_cache_ptr + block * stride_kc_block + offset * stride_kc_off
         v_dst = v_cache_ptr + block * stride_vc_block + offset * stride_vc_off
         tl.store(k_dst + heads[:, None] * stride_kc_head + dims[None, :], k.to(k_cache_ptr.dtype.element_ty),
@@ -50,21 +60,29 @@ def _store_kv_kernel(
                  mask=mask)
 
 
+@triton.jit
+def fp8_quantize(x, scale):
+    """x / scale in fp32, clamped into e4m3's range (the store casts it); kv_store.quantize is the oracle."""
+    return tl.minimum(tl.maximum(x.to(tl.float32) / scale, -FP8_MAX), FP8_MAX)
+
+
 def store_kv(k: torch.Tensor, v: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-             slot_mapping: torch.Tensor) -> None:
-    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped."""
+             slot_mapping: torch.Tensor, k_scale: float = 1.0, v_scale: float = 1.0) -> None:
+    """Write k, v [T, Hkv, D] into the paged caches at slot_mapping [T]; slot -1 is skipped. k_scale, v_scale: an
+    FP8 cache's (ignored for any other)."""
     num_tokens, num_kv_heads, head_dim = k.shape
     if num_tokens == 0:
         return
     k, v = _last_dim_contiguous(k), _last_dim_contiguous(v)
     _check_cache(k_cache, v_cache)
+    k_scale, v_scale = effective_scales(k_cache, k_scale, v_scale)
     _store_kv_kernel[(num_tokens,)](
-        k, v, k_cache, v_cache, slot_mapping,
+        k, v, k_cache, v_cache, slot_mapping, k_scale, v_scale,
         k.stride(0), k.stride(1), v.stride(0), v.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
         NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, BLOCK_H=triton.next_power_of_2(num_kv_heads),
-        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1],
+        BLOCK_D=triton.next_power_of_2(head_dim), BLOCK_SIZE=k_cache.shape[1], FP8=is_fp8(k_cache),
     )
 
 
@@ -186,7 +204,8 @@ def _attend_tree_tile(
 def _extend_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, query_start_ptr, kv_lens_ptr, out_ptr,
     tree_mask_ptr,               # [S, Q, Q] uint8 (a bool mask's bytes) when TREE; it and its strides None else
-    scale_log2,
+    scale_log2,                  # softmax scale * k_scale * log2(e)
+    v_scale,                     # 1.0 but for an FP8 cache
     stride_qt, stride_qh,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
@@ -260,7 +279,7 @@ def _extend_kernel(
                                                       stride_kc_off, stride_vc_block, stride_vc_off, dims, dim_mask,
                                                       scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
 
-        out = acc / l_i[:, None]
+        out = acc * (v_scale / l_i[:, None])
         tl.store(out_ptr + tokens[:, None] * stride_ot + head * stride_oh + dims[None, :],
                  out.to(out_ptr.dtype.element_ty), mask=row_mask[:, None] & dim_mask[None, :])
 
@@ -275,6 +294,8 @@ def extend_attention(
     max_query_len: int,             # host int: sizes the grid
     scale: float,
     tree_mask: torch.Tensor | None = None,   # [S, max_query_len, max_query_len] bool: a tree verify step
+    k_scale: float = 1.0,           # an FP8 cache's scales (ignored for any other cache dtype)
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     num_tokens, num_heads, head_dim = q.shape
     num_seqs = kv_lens.shape[0]
@@ -295,10 +316,11 @@ def extend_attention(
         tm_seq, tm_row = tree_bytes.stride(0), tree_bytes.stride(1)
     tiles = _extend_tiles(q)
     grid = (triton.cdiv(max_query_len, tiles["BLOCK_M"]), num_seqs, num_heads)
+    k_scale, v_scale = effective_scales(k_cache, k_scale, v_scale)
     _extend_kernel[grid](
         q, k_cache, v_cache, block_table, query_start_loc, kv_lens, out,
         tree_bytes,
-        scale * LOG2E,
+        scale * k_scale * LOG2E, v_scale,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),

@@ -9,6 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.kv_store import effective_scales
 from kestrel.kernels.triton.paged_attention import (LOG2E, _attend_kv, _attend_tile, _check_cache, _dot_in_fp32,
                                                     _dot_precision, _interpreted, _last_dim_contiguous,
                                                     _load_kv_tile)
@@ -93,7 +94,7 @@ def _decode_split_range(kv_len, split, num_splits, BLOCK_N: tl.constexpr):
 def _decode_split(
     q, seq, kv_head, split, kv_len, start, end, used_splits,
     k_cache_ptr, v_cache_ptr, block_table_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-    scale_log2,
+    scale_log2, v_scale,
     stride_kc_block, stride_kc_off, stride_kc_head,
     stride_vc_block, stride_vc_off, stride_vc_head,
     stride_bt,
@@ -148,12 +149,13 @@ def _decode_split(
                                          stride_kc_block, stride_kc_off, stride_vc_block, stride_vc_off,
                                          dims, dim_mask, scale_log2, BLOCK_N, BLOCK_SIZE, DOT_FP32, DOT_PRECISION)
 
+    # v_scale (an FP8 cache's; 1.0 else) goes into each split's output: the merge is linear in them
     if used_splits == 1:   # the whole context in one program: no partials, no atomics
-        tl.store(out_ptrs, (acc / l_i[:, None]).to(out_ptr.dtype.element_ty), mask=out_mask)
+        tl.store(out_ptrs, (acc * (v_scale / l_i[:, None])).to(out_ptr.dtype.element_ty), mask=out_mask)
     else:
         po_base = part_out_ptr + seq * stride_po_s + heads[:, None] * stride_po_h
         pl_base = part_lse_ptr + seq * stride_pl_s + heads * stride_pl_h
-        tl.store(po_base + split * stride_po_split + dims[None, :], acc / l_i[:, None], mask=out_mask)
+        tl.store(po_base + split * stride_po_split + dims[None, :], acc * (v_scale / l_i[:, None]), mask=out_mask)
         tl.store(pl_base + split, m_i + tl.log2(l_i), mask=row_mask)
         # The last split program to finish merges. Every thread's partial stores must precede the (single-thread)
         # release atomic below.
@@ -185,7 +187,8 @@ def _decode_zero_output(out_ptr, seq, kv_head, stride_os, stride_oh,
 def _decode_kernel(
     q_ptr, k_cache_ptr, v_cache_ptr, block_table_ptr, kv_lens_ptr, out_ptr, part_out_ptr, part_lse_ptr,
     counter_ptr,
-    scale_log2,
+    scale_log2,                  # softmax scale * k_scale * log2(e)
+    v_scale,                     # 1.0 but for an FP8 cache
     num_splits,
     stride_qs, stride_qh,
     stride_kc_block, stride_kc_off, stride_kc_head,
@@ -224,7 +227,7 @@ def _decode_kernel(
             q = q.to(tl.float32)
         _decode_split(q, seq, kv_head, split, kv_len, start, end, used_splits,
                       k_cache_ptr, v_cache_ptr, block_table_ptr, out_ptr, part_out_ptr, part_lse_ptr, counter_ptr,
-                      scale_log2,
+                      scale_log2, v_scale,
                       stride_kc_block, stride_kc_off, stride_kc_head,
                       stride_vc_block, stride_vc_off, stride_vc_head,
                       stride_bt, stride_os, stride_oh,
@@ -271,8 +274,11 @@ def decode_attention(
     num_splits: int | None = None,
     partials: DecodeScratch | None = None,
     tiles: dict[str, int] | None = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> torch.Tensor:
     """Attention of each sequence's single query over its whole cached context; one launch, no host sync.
+    k_scale, v_scale: an FP8 cache's (paged_attention.py; ignored for any other cache dtype).
 
     partials: scratch from alloc_decode_partials with at least S rows (pass static ones under CUDA graphs). Launches
     sharing it must be stream-ordered (the layers of a step are), since each one uses and then re-zeroes the
@@ -292,9 +298,10 @@ def decode_attention(
     part_out, part_lse, counters = partials
     meta = decode_meta(q, num_heads // num_kv_heads, head_dim, num_splits, tiles)
     pdl = launch_options(q.device)
+    k_scale, v_scale = effective_scales(k_cache, k_scale, v_scale)
     _decode_kernel[(num_seqs, num_kv_heads, num_splits)](
         q, k_cache, v_cache, block_table, kv_lens, out, part_out, part_lse, counters,
-        scale * LOG2E, num_splits,
+        scale * k_scale * LOG2E, v_scale, num_splits,
         q.stride(0), q.stride(1),
         k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
         v_cache.stride(0), v_cache.stride(1), v_cache.stride(2),
