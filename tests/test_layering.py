@@ -21,7 +21,7 @@ FLOORS: list[set[str]] = [
     {"llm"},                                                        # the offline front door
     {"frontend"},                                                   # the process boundary
     {"engine"},                                                     # the step loop
-    {"ranks", "speculative", "cache"},                              # beside the step loop, below it
+    {"ranks", "speculative", "cache", "structured"},                # beside the step loop, below it
     {"forward"},                                                    # building and running a runner
     {"config"},
     {"speculative_config"},

@@ -8,8 +8,8 @@ logit row reads only the current token). The engine, the detokenizer, the parser
 real; only the text is known in advance. Its chat template renders the tools, the calls of assistant messages and
 the tool messages, and the prompt's token count is checked against transformers' own rendering.
 
-The tests named `..._needs_constraint_engine` need the grammar ("required", a named function): they run once a
-module of kestrel imports xgrammar (the constraint engine of issue 54, built beside this), and are skipped before.
+"required" and a named function go through the grammar (kestrel/structured, xgrammar): on the random model the
+calls come back parseable because the sampler cannot write anything else.
 """
 from __future__ import annotations
 
@@ -21,7 +21,6 @@ import httpx
 import openai
 import pytest
 
-import kestrel
 from kestrel.config import EngineConfig
 from kestrel.sampling_params import SamplingParams
 from kestrel.server.app import ServerConfig
@@ -51,17 +50,6 @@ TOOLS = [
         "type": "object", "properties": {"tz": {"type": "string", "enum": ["UTC", "CET"]}}, "required": ["tz"]}}},
 ]
 USER = [{"role": "user", "content": "What is the weather in Paris?"}]
-
-
-def _constraint_engine_present() -> bool:
-    """True once a module of kestrel (other than the shared StructuredOutput) imports xgrammar: the grammar is then
-    honoured, and the output of "required" / a named function is the call's JSON."""
-    root = Path(kestrel.__file__).parent
-    return any("import xgrammar" in p.read_text() for p in root.rglob("*.py") if p.name != "sampling_params.py")
-
-
-needs_constraint_engine = pytest.mark.skipif(not _constraint_engine_present(),
-                                             reason="the constraint engine (issue 54, built beside this) is not here")
 
 
 # The scripted answer: two Hermes calls after some text. Each piece is an added token, so the chain of greedy
@@ -362,8 +350,7 @@ def test_special_tags_keep_special_tokens_and_drop_the_eos_text(tmp_path):
 
 # ---- through the grammar --------------------------------------------------------------------------------------
 
-@needs_constraint_engine
-def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(plain_client):
+def test_required_round_trip_returns_parseable_calls(plain_client):
     """On the random model and a server without --tool-call-parser: the grammar alone makes the calls."""
     client = plain_client
     model = client.models.list().data[0].id
@@ -384,8 +371,7 @@ def test_required_round_trip_returns_parseable_calls_needs_constraint_engine(pla
             assert isinstance(json.loads(call["arguments"]), dict)
 
 
-@needs_constraint_engine
-def test_named_function_round_trip_needs_constraint_engine(plain_client):
+def test_named_function_round_trip(plain_client):
     client = plain_client
     model = client.models.list().data[0].id
     choice = {"type": "function", "function": {"name": "get_weather"}}
@@ -400,13 +386,20 @@ def test_named_function_round_trip_needs_constraint_engine(plain_client):
     assert finish == got.choices[0].finish_reason == "stop"   # OpenAI's finish reason for a named function
 
 
-@needs_constraint_engine
-def test_a_tool_schema_the_grammar_cannot_compile_is_a_400_needs_constraint_engine(plain_server):
+def test_a_tool_schema_the_grammar_cannot_compile_is_a_400(plain_server):
     bad = [{"type": "function", "function": {"name": "f", "parameters": {
         "type": "object", "properties": {"a": {"type": "string", "pattern": "[[["}}}}}]
-    for choice in ("required", {"type": "function", "function": {"name": "f"}}):
-        r = post(plain_server, {"tools": bad, "tool_choice": choice})
-        assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error", r.text
+    two = [TOOLS[1], *bad]   # the message names the tool at fault, and its place in `tools`
+    for tools, choice in ((bad, "required"), (bad, {"type": "function", "function": {"name": "f"}}),
+                          (two, "required")):
+        r = post(plain_server, {"tools": tools, "tool_choice": choice})
+        assert r.status_code == 400, r.text
+        error = r.json()["error"]
+        assert error["type"] == "invalid_request_error" and error["param"] == "tools", error
+        assert f"tools[{len(tools) - 1}].function.parameters ('f')" in error["message"], error
+        assert "Unclosed '['" in error["message"], error   # xgrammar's reason, without its source location
+    # the same tool under "auto" or "none" constrains nothing: the schema is the model's to read, not a grammar
+    assert post(plain_server, {"tools": two, "tool_choice": "none"}).status_code == 200
 
 
 def test_mistral_tags_that_are_special_tokens_reach_the_parser(tmp_path_factory):

@@ -8,6 +8,7 @@ what ends a sequence after a token, and which tokens min_tokens forbids before t
 """
 from __future__ import annotations
 
+import logging
 from typing import Callable
 
 import torch
@@ -16,6 +17,8 @@ from kestrel.engine.messages import SampleUpdate, TokenLogprob
 from kestrel.engine.overlap import drop_tokens_from
 from kestrel.engine.request import Sequence
 from kestrel.engine.scheduler import Scheduler
+
+logger = logging.getLogger("kestrel.engine")
 
 
 class Committer:
@@ -51,6 +54,8 @@ class Committer:
                 out.append(token)
             kept += 1
             reason = self.stop_reason(seq, token, num_out=at + kept)
+            if seq.grammar is not None:
+                reason = self._advance_grammar(seq, token) or reason
             if reason is not None:
                 break
         self.generation_tokens_total += kept
@@ -66,6 +71,16 @@ class Committer:
         if reason is not None:
             self._forget_request_when_done(seq.request_id)
         return reported
+
+    @staticmethod
+    def _advance_grammar(seq: Sequence, token: int) -> str | None:
+        """Move the sequence's grammar past a committed token: "stop" once the grammar has ended (its stop token
+        accepted, as with ignore_eos, where the EOS itself would not stop). Every token was sampled under the
+        grammar's mask, so a refusal is a bug: the sequence stops rather than leave the grammar."""
+        if not seq.grammar.accept(token):
+            logger.error("request %s: token %d is outside its grammar; finishing it", seq.request_id, token)
+            return "stop"
+        return "stop" if seq.grammar.is_terminated else None
 
     def finish(self, seq: Sequence, reason: str) -> SampleUpdate:
         """Finish a sequence between steps (an abort, a stop string in its text): no new tokens."""
@@ -105,7 +120,7 @@ class Committer:
     def stop_tokens_under_min_tokens(self, seq: Sequence) -> list[int]:
         """The tokens a sample may not draw while it has fewer than min_tokens outputs (none without min_tokens)."""
         p = seq.params
-        if not p.min_tokens:
+        if not p.min_tokens or seq.grammar is not None:   # a grammar decides where its output may end
             return []
         return list(p.stop_token_ids) + ([] if p.ignore_eos else list(self.eos_token_ids))
 

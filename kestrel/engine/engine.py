@@ -26,11 +26,14 @@ from kestrel.engine.speculation import SpeculativeDecoding
 from kestrel.forward.startup import build_runner
 from kestrel.errors import KestrelError
 from kestrel.batch import SequenceChunk, build_forward_batch, previous_token
-from kestrel.forward.sampler import sample, top_logprobs
+from kestrel.forward.sampler import apply_token_bitmask, sample, top_logprobs
 from kestrel.kernels.compile_watch import watch as watch_compiles
 from kestrel.models.tokenizer import Tokenizer
 from kestrel.progress import Progress
 from kestrel.sampling_params import SamplingParams
+from kestrel.structured.compiler import GrammarCompiler, tokenizer_info
+from kestrel.structured.grammar import validate as validate_structured_output
+from kestrel.structured.matcher import SequenceGrammar, plain_bitmask
 
 logger = logging.getLogger("kestrel.engine")
 
@@ -89,8 +92,10 @@ class Engine:
             self.spec = SpeculativeDecoding(config.speculative, proposer, scheduler=self.scheduler,
                                             runner=self.runner, committer=self.committer,
                                             sampling_batches=self._sampling_batches,
-                                            max_model_len=self.max_model_len, block_size=config.block_size)
+                                            max_model_len=self.max_model_len, block_size=config.block_size,
+                                            vocab_size=self.model_config.vocab_size)
             self.committer.on_forget = self.spec.forget
+        self._grammars: GrammarCompiler | None = None   # built at the first structured request
         self.limits = EngineLimits(self.max_model_len, self.model_config.vocab_size,
                                    self.pool.num_blocks * self.pool.block_size)
         self.compile_watch.mark_ready()
@@ -101,21 +106,35 @@ class Engine:
         if request_id in self.requests:
             raise KestrelError(f"request id {request_id!r} is already in use")
         self.validate_prompt(prompt_token_ids, params)
+        compiled = None
+        if params.structured_output is not None:   # a bad schema raises here, before anything is queued
+            compiled = self.grammar_compiler.compile_async(params.structured_output)
         seqs = []
         for index in range(params.n):
             gen = None
             if params.seed is not None:
                 gen = torch.Generator(device=self.device).manual_seed(params.seed + index)
             seqs.append(Sequence(next(self._seq_ids), request_id, index, list(prompt_token_ids), params,
-                                 generator=gen, prefill_leader=seqs[0] if seqs else None))
+                                 generator=gen, prefill_leader=seqs[0] if seqs else None,
+                                 grammar=SequenceGrammar(compiled) if compiled is not None else None))
         self.requests[request_id] = seqs
         self.prompt_tokens_total += len(prompt_token_ids) * params.n
         for seq in seqs:
             self.scheduler.add(seq)
 
+    @property
+    def grammar_compiler(self) -> GrammarCompiler:
+        """The structured-output compiler over this model's vocabulary (the logits' width), made on first use."""
+        if self._grammars is None:
+            stop = sorted(self.committer.eos_token_ids)
+            self._grammars = GrammarCompiler(tokenizer_info(self.tokenizer.hf, self.model_config.vocab_size, stop))
+        return self._grammars
+
     def validate_prompt(self, prompt_token_ids: list[int], params: SamplingParams) -> None:
         """Raise KestrelError for a request that could never run; the server maps it to HTTP 400."""
         self.limits.check_prompt(prompt_token_ids, params)
+        if params.structured_output is not None:
+            validate_structured_output(params.structured_output)   # a grammar xgrammar cannot build (cached)
 
     def abort_request(self, request_id: str) -> None:
         for seq in self.requests.get(request_id, []):
@@ -224,6 +243,10 @@ class Engine:
         return self.runner.graphs is not None and not self.config.disable_overlap_schedule
 
     def _overlap_ok(self, seq: Sequence) -> bool:
+        # A grammar's mask for the next token depends on the token still on the device: it needs the read-back
+        # before sampling, which is what the overlap schedule skips.
+        if seq.grammar is not None:
+            return False
         p = seq.params
         eos = self.committer.eos_token_ids
         return overlap_eligible(seq, bool(p.stop_token_ids) or (not p.ignore_eos and bool(eos)))
@@ -289,6 +312,12 @@ class Engine:
         params = [s.params for s in seqs]
         wants_logprobs = any(p.logprobs is not None for p in params)
         masked = self.committer.mask_stops_under_min_tokens(seqs, logits)
+        # structured outputs: the grammars' masks are filled on the host while the device still runs the step
+        masks = plain_bitmask([s.grammar for s in seqs], self.model_config.vocab_size,
+                              self._grammars.batch if self._grammars is not None else None)
+        if masks is not None:
+            apply_token_bitmask(logits, *masks)
+            masked = True
         logprob_rows = None
         if greedy_tokens is not None and not masked and not wants_logprobs and all(p.greedy for p in params):
             token_list = greedy_tokens.tolist()   # computed inside the CUDA graph: no more device work

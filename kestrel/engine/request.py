@@ -9,6 +9,7 @@ import torch
 
 from kestrel.engine.messages import TokenLogprob  # noqa: F401 - re-exported
 from kestrel.sampling_params import SamplingParams
+from kestrel.structured.matcher import SequenceGrammar
 
 
 class SeqStatus(enum.Enum):
@@ -37,6 +38,7 @@ class Sequence:
     num_preemptions: int = 0
     generator: torch.Generator | None = None  # per-request seed: same seed, same samples
     prefill_leader: "Sequence | None" = None  # sample 0 of the request, for samples 1..n-1
+    grammar: SequenceGrammar | None = None    # structured output: where the committed tokens stand in the grammar
 
     @property
     def num_prompt_tokens(self) -> int:

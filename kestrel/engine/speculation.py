@@ -35,7 +35,7 @@ from kestrel.engine.request import Sequence
 from kestrel.engine.sampling_batches import SamplingBatchCache
 from kestrel.engine.scheduler import Scheduler, ScheduledSeq
 from kestrel.batch import ForwardOutput, SequenceChunk
-from kestrel.forward.sampler import top_logprobs
+from kestrel.forward.sampler import apply_token_bitmask, top_logprobs
 from kestrel.speculative.adaptive import DepthPolicy
 from kestrel.speculative_config import SpeculativeConfig
 from kestrel.speculative.ngram import NgramProposer
@@ -43,6 +43,7 @@ from kestrel.batch import ComputedRows
 from kestrel.speculative.proposer import Proposer
 from kestrel.forward.draft_tree import draft_tree
 from kestrel.speculative.verify import verify_chain, verify_tree
+from kestrel.structured.matcher import allocate_bitmask
 
 if TYPE_CHECKING:
     from kestrel.forward.runner import ModelRunner
@@ -86,8 +87,9 @@ class SpeculativeDecoding:
 
     def __init__(self, config: SpeculativeConfig, proposer: Proposer, *, scheduler: Scheduler,
                  runner: ModelRunner, committer: Committer, sampling_batches: SamplingBatchCache,
-                 max_model_len: int, block_size: int) -> None:
+                 max_model_len: int, block_size: int, vocab_size: int) -> None:
         self.scheduler = scheduler
+        self.vocab_size = vocab_size   # the width of a structured output's token bitmask
         self.runner = runner
         self.device = runner.device
         self.committer = committer
@@ -184,6 +186,8 @@ class SpeculativeDecoding:
         """The step's chunks: each sequence's last token and the drafts it is to verify (blocks grown for them)."""
         seqs = [r.seq for r in rows]
         wanted = [min(self._per_seq.get(seq.seq_id, 0), self._room(seq)) for seq in seqs]
+        if self.synthetic_rate is not None:   # the benchmark mode accepts drafts blindly: never past a grammar
+            wanted = [0 if seq.grammar is not None else k for seq, k in zip(seqs, wanted)]
         if self.tree is None:
             chunks, drafts = self._chain_chunks(seqs, wanted)
         else:
@@ -202,6 +206,8 @@ class SpeculativeDecoding:
                 return self._commit_fused(seqs, drafts, fused)
         q = max(len(c.tokens) for c in chunks)
         offsets, logits = _uniform_rows(output.logits, [len(c.tokens) for c in chunks], q)   # row b * q + j
+        if any(seq.grammar is not None for seq in seqs):
+            self._mask_grammars(logits, seqs, drafts, q)
         # row b * q + j draws output token num_output + depth of query j (a chain: j)
         self.committer.mask_stops_under_min_tokens(seqs, logits, range(q) if self.tree is None else self._depths[:q])
         max_logprobs = max((seq.params.logprobs or 0) for seq in seqs)
@@ -258,9 +264,42 @@ class SpeculativeDecoding:
         if self.tree is not None or self.synthetic_rate is not None:
             return False
         banned = self.committer.stop_tokens_under_min_tokens
-        return all(seq.params.greedy and seq.params.logprobs is None
+        return all(seq.params.greedy and seq.params.logprobs is None and seq.grammar is None
                    and not (seq.num_output_tokens < seq.params.min_tokens and banned(seq))
                    for seq in seqs)
+
+    def _mask_grammars(self, logits: torch.Tensor, seqs: list[Sequence], drafts: list[list[int]], q: int) -> None:
+        """Structured outputs under speculation: mask each constrained sequence's q rows with what its grammar
+        allows after the drafts before that row (a chain: d1 .. dj for row j; a tree: the node's path from the
+        root). Verification then checks every draft against the masked distribution, so greedy output is the
+        token-for-token output of constrained decoding without speculation, and sampled output its distribution;
+        a draft the grammar forbids has probability 0 and is rejected. The matcher walks each path and rolls back."""
+        constrained = [b for b, seq in enumerate(seqs) if seq.grammar is not None]
+        rows = [b * q + j for b in constrained for j in range(q)]
+        bitmask = allocate_bitmask(len(rows), self.vocab_size)   # every token allowed: a padding row's mask
+        for i, b in enumerate(constrained):
+            d = drafts[b]
+            mine, paths = [], []
+            for j in range(q):
+                if self.tree is None:
+                    path = d[:j] if j <= len(d) else None        # past the drafts: padding, never read
+                elif j == 0:
+                    path = []
+                else:
+                    path = self._tree_path(d, j - 1) if d else None
+                if path is not None:
+                    mine.append(i * q + j)
+                    paths.append(path)
+            seqs[b].grammar.fill_along(bitmask, mine, paths)
+        apply_token_bitmask(logits, bitmask, rows)
+
+    def _tree_path(self, nodes: list[int], i: int) -> list[int]:
+        """The tokens from the root to tree node i, inclusive."""
+        path = []
+        while i >= 0:
+            path.append(nodes[i])
+            i = self.tree.parents[i]
+        return path[::-1]
 
     def _commit_fused(self, seqs: list[Sequence], drafts: list[list[int]],
                       fused: list[tuple[int, list[int], list[list[int]]]]) -> list[SampleUpdate]:

@@ -94,3 +94,23 @@ def top_logprobs(logits: torch.Tensor, tokens: torch.Tensor, k: int) -> tuple[to
     chosen = logprobs.gather(-1, tokens[:, None]).squeeze(-1)
     values, ids = logprobs.topk(max(k, 1), dim=-1)
     return chosen, values, ids
+
+
+_BITS = {}   # device -> arange(32) as int32: the bit positions of a bitmask word
+
+
+def apply_token_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int]) -> None:
+    """Constrained decoding (kestrel/structured/): forbid, in place, the tokens a grammar does not allow next.
+    bitmask [len(rows), ceil(V / 32)] int32 (bit j of word w allows token 32 w + j) masks logits row rows[i];
+    every other row is untouched. Runs after the model step (outside its CUDA graph), before sampling."""
+    device = logits.device
+    bits = _BITS.get(device)
+    if bits is None:
+        bits = _BITS[device] = torch.arange(32, dtype=torch.int32, device=device)
+    words = bitmask.to(device, non_blocking=True)
+    allowed = ((words[:, :, None] >> bits) & 1).bool().flatten(1)        # [R, 32 * words]
+    vocab = logits.shape[-1]
+    if allowed.shape[1] < vocab:   # logits wider than the grammar's vocabulary: the padding is never allowed
+        allowed = torch.nn.functional.pad(allowed, (0, vocab - allowed.shape[1]), value=False)
+    index = torch.tensor(rows, device=device)
+    logits[index] = logits.index_select(0, index).masked_fill(~allowed[:, :vocab], float("-inf"))

@@ -48,6 +48,7 @@ from kestrel.server.protocol import (ChatCompletionRequest, ChatCompletionRespon
 from kestrel.server.serving import APIError, Generation, TokenText, api_error_from, check_model, \
     check_sequences, run_to_completion, sampling_params
 from kestrel.server.startup import StartupProgress
+from kestrel.server.structured import structured_output
 
 logger = logging.getLogger("kestrel.server")
 
@@ -202,6 +203,7 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         completions.check_unsupported(req)
         check_sequences(completions.num_prompts(req), req.n)
         params = sampling_params(req, completions.max_tokens(req), req.logprobs)
+        params.structured_output = await structured_output(req)
         trace.parsed = time.monotonic()
         try:
             prompts = await _tokenize(completions.prompt_token_ids, req, state.engine.tokenizer,
@@ -224,10 +226,12 @@ def build_app(engine_config: EngineConfig, config: ServerConfig | None = None) -
         check_sequences(1, req.n)
         tool_plan = tools.plan(req, config.tool_call_parser)
         params = sampling_params(req, chat.max_tokens(req), chat.top_logprobs(req), chat.field_names(req))
+        params.structured_output = await structured_output(req)
         trace.parsed = time.monotonic()
         try:
             tokenizer = state.engine.tokenizer
-            eos_texts = tools.apply(tool_plan, params, tokenizer)
+            # on a worker thread: "required" / a named function check their schemas with xgrammar (cached)
+            eos_texts = await asyncio.to_thread(tools.apply, tool_plan, params, tokenizer)
             prompt = await _tokenize(functools.partial(chat.prompt_token_ids, tools=tool_plan.template_tools),
                                      req, tokenizer)
         except Exception as exc:   # noqa: BLE001

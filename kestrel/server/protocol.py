@@ -21,6 +21,29 @@ class StreamOptions(_Request):
     continuous_usage_stats: bool = False   # vLLM extension: running usage on every chunk (with include_usage)
 
 
+class JsonSchemaFormat(_Request):
+    """response_format.json_schema (OpenAI): the schema under `schema`; `strict` is accepted (decoding under the
+    schema is always strict)."""
+    name: str | None = None
+    description: str | None = None
+    schema_: dict[str, Any] | bool | None = Field(None, alias="schema")
+    strict: bool | None = None
+
+
+class ResponseFormat(_Request):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputsField(_Request):
+    """vLLM's `structured_outputs` object: exactly one of these."""
+    json_: dict[str, Any] | bool | str | None = Field(None, alias="json")
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+    json_object: bool | None = None
+
+
 class _SamplingFields(_Request):
     """Fields shared by /v1/completions and /v1/chat/completions (OpenAI names, then vLLM extensions)."""
     model: str | None = None               # None: the served model (vLLM accepts this too)
@@ -41,6 +64,17 @@ class _SamplingFields(_Request):
     min_tokens: int = 0
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    # structured outputs (server/structured.py): OpenAI's response_format, vLLM's guided_* and structured_outputs,
+    # SGLang's regex / ebnf / json_schema; at most one
+    response_format: ResponseFormat | None = None
+    guided_json: dict[str, Any] | bool | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    regex: str | None = None
+    ebnf: str | None = None
+    json_schema: str | None = None
 
 
 class CompletionRequest(_SamplingFields):

@@ -19,11 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from functools import lru_cache
 
+from kestrel.errors import KestrelError
 from kestrel.sampling_params import SamplingParams, StructuredOutput
 from kestrel.server.protocol import ChatCompletionRequest
 from kestrel.server.serving import APIError
 from kestrel.server.tool_parsers import PARSERS, ToolParser, parser_class
 from kestrel.server.tool_parsers.forced import NamedParser, RequiredParser
+from kestrel.structured.grammar import validate
 
 # OpenAI's rule for a function name (letters, digits, underscores, dashes, at most 64), with dots as vLLM lets
 # through (MCP tools are often named `server.tool`)
@@ -37,6 +39,7 @@ class ToolPlan:
     make_parser: Callable[[], ToolParser] | None          # one per choice; None: the output is content
     structured_output: StructuredOutput | None            # the constraint "required" / a named function need
     finish_reason: str = "tool_calls"                     # a choice that called: OpenAI's "stop" for a named one
+    constrained: tuple[int, ...] = ()                     # indexes into `tools` whose parameters the grammar uses
 
 
 NO_TOOLS = ToolPlan(None, None, None)
@@ -66,15 +69,16 @@ def plan(req: ChatCompletionRequest, parser_name: str | None) -> ToolPlan:
         return ToolPlan(tools, lambda: family(tools), None)
     if choice == "required":
         schema = required_schema(tools, one=req.parallel_tool_calls is False)
-        return ToolPlan(tools, lambda: RequiredParser(tools), StructuredOutput(json_schema=json.dumps(schema)))
+        return ToolPlan(tools, lambda: RequiredParser(tools), StructuredOutput(json_schema=json.dumps(schema)),
+                        constrained=tuple(range(len(tools))))
     name = choice.function.name
-    function = next((t["function"] for t in tools if t["function"]["name"] == name), None)
-    if function is None:
+    index = next((i for i, t in enumerate(tools) if t["function"]["name"] == name), None)
+    if index is None:
         raise APIError(400, f"tool_choice names the function {name!r}, which is not among the request's tools "
                        f"({', '.join(t['function']['name'] for t in tools)})", param="tool_choice")
-    schema = function.get("parameters") or EMPTY_PARAMETERS
+    schema = tools[index]["function"].get("parameters") or EMPTY_PARAMETERS
     return ToolPlan(tools, lambda: NamedParser(name, tools), StructuredOutput(json_schema=json.dumps(schema)),
-                    finish_reason="stop")
+                    finish_reason="stop", constrained=(index,))
 
 
 def check_tools(tools: list[dict]) -> None:
@@ -107,15 +111,38 @@ def required_schema(tools: list[dict], one: bool = False) -> dict:
     return schema
 
 
+def check_constraint(tool_plan: ToolPlan) -> None:
+    """400 naming `tools` when a parameters schema the grammar uses is one xgrammar cannot build. Each tool's
+    schema is checked alone first, so the message names the tool; then the combined schema. Cached by schema
+    (structured.grammar.validate), and run off the event loop by the server: a large schema takes milliseconds."""
+    if tool_plan.structured_output is None:
+        return
+    for i in tool_plan.constrained:
+        function = tool_plan.template_tools[i]["function"]
+        schema = function.get("parameters") or EMPTY_PARAMETERS
+        try:
+            validate(StructuredOutput(json_schema=json.dumps(schema)))
+        except KestrelError as exc:
+            raise APIError(400, f"tools[{i}].function.parameters ({function['name']!r}) cannot constrain the "
+                           f"call: {exc}", param="tools") from None
+    try:
+        validate(tool_plan.structured_output)
+    except KestrelError as exc:
+        raise APIError(400, f"tools: the schema of the calls cannot constrain the output: {exc}",
+                       param="tools") from None
+
+
 def apply(tool_plan: ToolPlan, params: SamplingParams, tokenizer) -> tuple[str, ...]:
-    """The plan's constraint on the request's sampling; special tokens kept where the family's tags are special
-    tokens of this tokenizer (skipped, the parser would never see them). Returns the end-of-sequence texts the
-    answer must then drop from its end (the EOS token that ended it is detokenized too)."""
+    """The plan's constraint on the request's sampling, checked (check_constraint); special tokens kept where the
+    family's tags are special tokens of this tokenizer (skipped, the parser would never see them). Returns the
+    end-of-sequence texts the answer must then drop from its end (the EOS token that ended it is detokenized
+    too)."""
     if tool_plan.structured_output is not None:
         if params.structured_output is not None:
             raise APIError(400, 'tool_choice "required" or a named function constrains the output to the call\'s '
                            "JSON: it cannot be combined with response_format or another structured output",
                            param="tool_choice")
+        check_constraint(tool_plan)
         params.structured_output = tool_plan.structured_output
     if tool_plan.make_parser is None or not params.skip_special_tokens:
         return ()
