@@ -37,6 +37,16 @@ The tiles path's compiled kernels multiply bf16 / fp16 operands on the tensor co
 (float32 models: exact "ieee" dots, the parity path); under Triton's interpreter bf16 operands are upcast first,
 since its bf16 dot is wrong (tests/test_triton_kernels.py). The rows path multiplies and sums in float32 (CUDA
 cores: one row has nothing for a tensor core to share).
+
+Block-FP8 experts (layers/moe_fp8.py) run both paths with FP8 weights and their bn x bk tile scales, two ways:
+
+    W8A16 (FP8, default)    each weight tile widened to x's dtype with its scale as it is read; bf16 tensor cores
+    W8A8  (FP8 + QUANT_X)   KESTREL_FP8_MOE=w8a8: x (gate|up) and inter (down) quantized to E4M3 per token and
+                            per bk-column group inside the K loop (tiles: BLOCK_K = bk, one group a step):
+        acc[m, n] += dot_e4m3(q[m, k0:k0+bk], w8[k0:k0+bk, n]) * (x_scale[m, k0 / bk] * w_scale[n / bn, k0 / bk])
+    In the loop, not a pre-pass (vLLM quantizes x and inter in separate launches first): no extra launch or HBM
+    round trip of the activations, nothing new for a CUDA graph; each N-program recomputes its rows' group maxima
+    (a [BLOCK_M, bk] max in registers beside a [BLOCK_M, bk] x [bk, BLOCK_N] dot), as fp8_block_gemm.py's W8A8 does.
 """
 from __future__ import annotations
 
