@@ -2,6 +2,7 @@
 
     python -m benchmarks.step_profile --shape llama-3.1-8b --batch 128 --out step_profile.json
     python -m benchmarks.step_profile --shape qwen3-0.6b --batch 8 --device cpu --steps 2 --out /tmp/p.json  # CPU
+    python -m benchmarks.step_profile --shape qwen3-30b-a3b --fp8-block --fp8-moe w8a8 --out p.json  # W8A8 experts
 
 Weights are random, made on the device (`--load-format dummy` from config.json alone). B fresh prompts of
 --prompt-len tokens are prefilled first (not profiled); then every sequence decodes and --steps engine steps run
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import sys
 import time
@@ -27,6 +29,7 @@ from pathlib import Path
 import torch
 
 from benchmarks.shapes import SHAPES, write_config_only
+from kestrel.envs import switches
 
 # name pattern -> category; first match wins (cuBLAS / CUTLASS GEMMs carry gemm, xmma, nvjet or cutlass)
 CATEGORIES = [
@@ -148,8 +151,14 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--fp8-block", action="store_true", help="the shape as an HF FP8 checkpoint with 128 x 128 "
                     "weight tiles (dummy FP8 weights, MoE experts included; activations dynamic), as vLLM's peer "
                     "recipe serves it")
+    ap.add_argument("--fp8-moe", choices=("w8a16", "w8a8"), default=None,
+                    help="block-FP8 experts' kernels: sets KESTREL_FP8_MOE for this run (default: the environment's, "
+                    "else w8a16); the report records the one the engine read")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
+    if args.fp8_moe:   # before the engine reads its switches (once, at construction)
+        os.environ["KESTREL_FP8_MOE"] = args.fp8_moe
+        switches.cache_clear()
     from kestrel.bench.fresh import FreshPrompts, cache_counters, hit_rate_fields
     from kestrel.config import EngineConfig
     from kestrel.engine.engine import Engine
@@ -160,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     model_dir = write_config_only(args.shape, Path(args.workdir) / f"{args.shape}-dummy")
     if args.fp8_block:
         model_dir = with_fp8_block_config(model_dir)
-    report: dict = {"fp8_block": args.fp8_block, "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "device": args.device,
+    report: dict = {"fp8_block": args.fp8_block, "fp8_moe": switches().fp8_moe, "shape": args.shape, "batch": args.batch, "prompt_len": args.prompt_len, "device": args.device,
                     "torch": torch.__version__, "date": time.strftime("%Y-%m-%d")}
     if cuda:
         report["gpu"] = torch.cuda.get_device_name()

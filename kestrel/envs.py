@@ -14,6 +14,10 @@ tests that change one call `switches.cache_clear()`.
     KESTREL_FUSED_MOE=1          0: the torch experts instead of the fused Triton MoE kernels (kernels/triton/fused_moe.py)
     KESTREL_FP8_BLOCK_GEMM=w8a8  FP8 tile-scaled matmuls above 16 rows: w8a8 (activations quantized in the kernel,
                                  FP8 tensor cores), w8a16 (FP8 weights widened to bf16 in registers, as before)
+    KESTREL_FP8_MOE=w8a16        block-FP8 experts in the fused MoE kernels: w8a16 (FP8 tiles widened to x's dtype),
+                                 w8a8 (activations quantized per token x 128 group in the K loop, FP8 tensor cores,
+                                 Hopper+). Default w8a16 until a GPU measures W8A8 faster
+                                 (tests/gpu/test_moe_fp8_gpu.py prints both beside bf16)
     CUDA_HOME=/usr/local/cuda    where NVRTC's headers are looked for
     XDG_CACHE_HOME=~/.cache      where NVRTC's cubins are kept between runs (kestrel/nvrtc), beside other tools'
 """
@@ -57,6 +61,7 @@ class DevSwitches:
     cluster_decode_mma: str = "auto"
     fused_moe: bool = True
     fp8_block_gemm: str = "w8a8"
+    fp8_moe: str = "w8a16"
     cuda_home: str = "/usr/local/cuda"
 
 
@@ -71,6 +76,7 @@ def switches() -> DevSwitches:
         cluster_decode_mma=_choice("KESTREL_CLUSTER_DECODE_MMA", "auto", ("auto", "0", "1")),
         fused_moe=_flag("KESTREL_FUSED_MOE", True),
         fp8_block_gemm=_choice("KESTREL_FP8_BLOCK_GEMM", "w8a8", ("w8a8", "w8a16")),
+        fp8_moe=_choice("KESTREL_FP8_MOE", "w8a16", ("w8a16", "w8a8")),
         cuda_home=os.environ.get("CUDA_HOME", "/usr/local/cuda"),
     )
 

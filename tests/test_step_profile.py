@@ -40,3 +40,19 @@ def test_a_profiled_step_on_the_cpu_reports_fresh_prompts_and_its_split(tmp_path
     profile = report["profile"]
     assert profile["steps"] == 2 and profile["wall_ms"] > 0
     assert sum(profile["by_category_ms"].values()) == pytest.approx(profile["device_busy_ms"])
+
+
+def test_fp8_moe_flag_sets_the_switch_the_engine_reads(tmp_path, monkeypatch):
+    """--fp8-moe w8a8 sets KESTREL_FP8_MOE before the engine is built and the report records the switch read (on
+    the CPU the experts still run the dequantizing reference: the W8A8 kernels are CUDA's)."""
+    from kestrel.envs import switches
+
+    monkeypatch.setenv("KESTREL_FP8_MOE", "w8a16")   # restored after the test, whatever main() writes
+    out = tmp_path / "p.json"
+    try:
+        assert main(["--shape", "qwen3-moe-tiny", "--fp8-block", "--fp8-moe", "w8a8", "--batch", "2", "--steps", "1",
+                     "--prompt-len", "8", "--device", "cpu", "--workdir", str(tmp_path), "--out", str(out)]) == 0
+    finally:
+        switches.cache_clear()
+    report = json.loads(out.read_text())
+    assert report["fp8_block"] and report["fp8_moe"] == "w8a8" and report["running"] == 2

@@ -24,6 +24,10 @@ How a call runs (Fp8Experts):
     CUDA, fused MoE on (default)      kernels/triton/fused_moe.py with the scales: FP8 weight tiles read in the
                                       kernel and widened to x's dtype with their tile's scale (W8A16), so the
                                       kernel multiplies exactly the dequantized weights the reference does
+    ... KESTREL_FP8_MOE=w8a8, Hopper  the same kernels with quantize_x (W8A8): activations quantized per token
+                                      and 1 x bk group in the K loop, FP8 x FP8 tensor-core dots, both scales per
+                                      step (vLLM's block-FP8 MoE); oracle fp8_w8a8_experts_reference. Chosen once,
+                                      at construction (with_fp8_experts); default w8a16 until a GPU measures it
     otherwise (CPU, KESTREL_FUSED_MOE=0)  every expert dequantized to x's dtype per call, then the float impl:
                                       the oracle (correctness only: it writes all experts' float weights a call)
 """
@@ -37,7 +41,9 @@ from torch import nn
 
 from kestrel.distributed.comm import SINGLE, TPGroup
 from kestrel.errors import ModelLoadError
-from kestrel.kernels.fp8_quant import FP8, expand_block_scales, quantize_per_block
+from kestrel.envs import switches
+from kestrel.kernels.fp8_quant import (FP8, dequantize, expand_block_scales, quantize_activation_groups,
+                                       quantize_per_block)
 from kestrel.layers.linear import Placement, _copy_checked, place_slice, silu_and_mul_torch, take_slice
 from kestrel.layers.moe import ExpertsImpl, FusedExperts, StackedWeight, fused_experts_torch
 
@@ -130,11 +136,13 @@ def make_fp8_experts(experts: FusedExperts, block: tuple[int, int], scale_name: 
 @dataclass(frozen=True)
 class Fp8Experts:
     """The ExpertsImpl of block-FP8 experts (module docstring: how a call runs). `float_impl` runs what the
-    checkpoint leaves float (and the dequantized reference); `kernel`: fused_experts_triton, taking the scales."""
+    checkpoint leaves float (and the dequantized reference); `kernel`: fused_experts_triton, taking the scales.
+    quantize_x: W8A8 (activations quantized per token group) in the kernel and the fallback reference alike."""
     block: tuple[int, int]
     scale_name: str
     float_impl: ExpertsImpl
     kernel: Callable[..., torch.Tensor] | None = None
+    quantize_x: bool = False
 
     def create_weights(self, experts: FusedExperts) -> None:
         make_fp8_experts(experts, self.block, self.scale_name)
@@ -146,7 +154,10 @@ class Fp8Experts:
             return self.float_impl(x, w13, w2, topk_ids, topk_weights, silu_and_mul)
         if self.kernel is not None and x.is_cuda:
             return self.kernel(x, w13, w2, topk_ids, topk_weights, silu_and_mul, w13_scale=w13_scale,
-                               w2_scale=w2_scale, block=self.block)
+                               w2_scale=w2_scale, block=self.block, quantize_x=self.quantize_x)
+        if self.quantize_x:
+            return fp8_w8a8_experts_reference(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, self.block,
+                                              silu_and_mul)
         return fp8_experts_reference(x, w13, w2, topk_ids, topk_weights, w13_scale, w2_scale, self.block,
                                      silu_and_mul, self.float_impl)
 
@@ -162,18 +173,50 @@ def fp8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, 
     return impl(x, w13f, w2f, topk_ids, topk_weights, silu_and_mul or silu_and_mul_torch)
 
 
+def fp8_w8a8_experts_reference(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_ids: torch.Tensor,
+                               topk_weights: torch.Tensor, w13_scale: torch.Tensor, w2_scale: torch.Tensor,
+                               block: tuple[int, int],
+                               silu_and_mul: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+    """The W8A8 oracle: fused_experts_torch's loop and roundings, each expert matmul's input quantized per token
+    and bk-column group (quantize_activation_groups, as kernels/fp8_quant.py's fp8_w8a8_ref) and multiplied,
+    dequantized, by the dequantized weights in float32, rounded once to x's dtype."""
+    silu_and_mul = silu_and_mul or silu_and_mul_torch
+    w13f = dequantize_stacked(w13, w13_scale, block, parts=2)
+    w2f = dequantize_stacked(w2, w2_scale, block, parts=1)
+
+    def linear(a: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        a8, a_scale = quantize_activation_groups(a, block[1])
+        return (dequantize(a8, a_scale, (1, block[1])) @ w.T).to(x.dtype)
+
+    num_tokens, k = topk_ids.shape
+    flat_ids, flat_weights = topk_ids.reshape(-1), topk_weights.reshape(-1).float()
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=x.device)
+    for expert in range(w13.shape[0]):
+        rows = (flat_ids == expert).nonzero().flatten()
+        if rows.numel():
+            tokens = rows // k
+            y = linear(silu_and_mul(linear(x[tokens], w13f[expert])), w2f[expert])
+            out.index_add_(0, tokens, y.float() * flat_weights[rows, None])
+    return out.to(x.dtype)
+
+
 def with_fp8_experts(impl: ExpertsImpl, block: tuple[int, int] | None, scale_name: str, device: torch.device
                      ) -> ExpertsImpl:
     """The experts impl of an FP8 model: Fp8Experts for block scales (the fused kernel reads them on CUDA when
-    `impl` is the fused kernel); other FP8 schemes keep the experts float (`impl`)."""
+    `impl` is the fused kernel); other FP8 schemes keep the experts float (`impl`). KESTREL_FP8_MOE=w8a8 picks
+    the W8A8 kernels on Hopper and newer (E4M3 wgmma), read once here: W8A16 elsewhere and by default."""
     if block is None:
         return impl
     kernel = None
+    quantize_x = False
     if device.type == "cuda":
         from kestrel.kernels.triton.fused_moe import fused_experts_triton
         if impl is fused_experts_triton:
             kernel = fused_experts_triton
-    return Fp8Experts(block, scale_name, impl, kernel)
+            bk = block[1]
+            quantize_x = (switches().fp8_moe == "w8a8" and torch.cuda.get_device_capability(device) >= (9, 0)
+                          and bk >= 16 and bk & (bk - 1) == 0)
+    return Fp8Experts(block, scale_name, impl, kernel, quantize_x)
 
 
 def keep_float_experts(model: nn.Module, ignores: Callable[[str], bool]) -> list[str]:

@@ -37,6 +37,16 @@ The tiles path's compiled kernels multiply bf16 / fp16 operands on the tensor co
 (float32 models: exact "ieee" dots, the parity path); under Triton's interpreter bf16 operands are upcast first,
 since its bf16 dot is wrong (tests/test_triton_kernels.py). The rows path multiplies and sums in float32 (CUDA
 cores: one row has nothing for a tensor core to share).
+
+Block-FP8 experts (layers/moe_fp8.py) run both paths with FP8 weights and their bn x bk tile scales, two ways:
+
+    W8A16 (FP8, default)    each weight tile widened to x's dtype with its scale as it is read; bf16 tensor cores
+    W8A8  (FP8 + QUANT_X)   KESTREL_FP8_MOE=w8a8: x (gate|up) and inter (down) quantized to E4M3 per token and
+                            per bk-column group inside the K loop (tiles: BLOCK_K = bk, one group a step):
+        acc[m, n] += dot_e4m3(q[m, k0:k0+bk], w8[k0:k0+bk, n]) * (x_scale[m, k0 / bk] * w_scale[n / bn, k0 / bk])
+    In the loop, not a pre-pass (vLLM quantizes x and inter in separate launches first): no extra launch or HBM
+    round trip of the activations, nothing new for a CUDA graph; each N-program recomputes its rows' group maxima
+    (a [BLOCK_M, bk] max in registers beside a [BLOCK_M, bk] x [bk, BLOCK_N] dot), as fp8_block_gemm.py's W8A8 does.
 """
 from __future__ import annotations
 
@@ -50,6 +60,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kestrel.kernels.triton.fp8_block_gemm import ACT_TINY, FP8_MAX, _round_to_e4m3
 from kestrel.kernels.triton.pdl import launch_options, pdl_wait
 
 BLOCK_M = 16
@@ -86,7 +97,8 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
                         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                         DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                         s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
-                        SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False):
+                        SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False, QUANT_X: tl.constexpr = False,
+                        EMULATE_FP8: tl.constexpr = False):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:   # a tile past the last expert's run: no rows, nothing to write
@@ -113,15 +125,22 @@ def _moe_gate_up_kernel(x_ptr, w13_ptr, sorted_rows_ptr, tile_expert_ptr, inter_
             s_base = s_ptr + expert * stride_se + k0 // SCALE_BK
             sg = tl.load(s_base + (cols // SCALE_BN) * stride_sn, mask=col_ok, other=0.0)
             su = tl.load(s_base + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN) * stride_sn, mask=col_ok, other=0.0)
-            wg = _dequant(wg, sg[None, :], x_ptr.dtype.element_ty, RNE_BF16)
-            wu = _dequant(wu, su[None, :], x_ptr.dtype.element_ty, RNE_BF16)
-        if DOT_FP32:
-            a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
-        gate += tl.dot(a, wg, input_precision=DOT_PRECISION)
-        up += tl.dot(a, wu, input_precision=DOT_PRECISION)
-    # as the reference: silu(gate) rounded to the model dtype, then times up
-    act = (gate * tl.sigmoid(gate)).to(inter_ptr.dtype.element_ty).to(tl.float32) * \
-        up.to(inter_ptr.dtype.element_ty).to(tl.float32)
+            if QUANT_X:   # W8A8: BLOCK_K == SCALE_BK, so this step's columns of x are one activation group
+                aq, sx = _quantize_rows(a, EMULATE_FP8)
+                gate += _dot_e4m3(aq, wg, EMULATE_FP8) * (sx[:, None] * sg[None, :])
+                up += _dot_e4m3(aq, wu, EMULATE_FP8) * (sx[:, None] * su[None, :])
+            else:
+                wg = _dequant(wg, sg[None, :], x_ptr.dtype.element_ty, RNE_BF16)
+                wu = _dequant(wu, su[None, :], x_ptr.dtype.element_ty, RNE_BF16)
+        if not QUANT_X:
+            if DOT_FP32:
+                a, wg, wu = a.to(tl.float32), wg.to(tl.float32), wu.to(tl.float32)
+            gate += tl.dot(a, wg, input_precision=DOT_PRECISION)
+            up += tl.dot(a, wu, input_precision=DOT_PRECISION)
+    # as the reference: F.linear's gate and up rounded to the model dtype, silu(gate) rounded, times up, rounded
+    dtype = inter_ptr.dtype.element_ty
+    g = _rounded(gate, dtype, RNE_BF16)
+    act = _rounded(_rounded(g * tl.sigmoid(g), dtype, RNE_BF16) * _rounded(up, dtype, RNE_BF16), dtype, RNE_BF16)
     tl.store(inter_ptr + rows[:, None].to(tl.int64) * stride_i + cols[None, :],
              act.to(inter_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
 
@@ -133,7 +152,8 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                      DOT_FP32: tl.constexpr, DOT_PRECISION: tl.constexpr,
                      s_ptr=None, stride_se=0, stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
-                     SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False):
+                     SCALE_BK: tl.constexpr = 1, RNE_BF16: tl.constexpr = False, QUANT_X: tl.constexpr = False,
+                     EMULATE_FP8: tl.constexpr = False):
     tile = tl.program_id(0)
     expert = tl.load(tile_expert_ptr + tile)
     if expert < 0:
@@ -157,12 +177,17 @@ def _moe_down_kernel(inter_ptr, w2_ptr, sorted_rows_ptr, tile_expert_ptr, weight
         if FP8:
             sw = tl.load(s_ptr + expert * stride_se + (cols // SCALE_BN) * stride_sn + k0 // SCALE_BK,
                          mask=col_ok, other=0.0)
-            w = _dequant(w, sw[None, :], inter_ptr.dtype.element_ty, RNE_BF16)
-        if DOT_FP32:
-            a, w = a.to(tl.float32), w.to(tl.float32)
-        acc += tl.dot(a, w, input_precision=DOT_PRECISION)
+            if QUANT_X:   # W8A8: this step's columns of inter are one activation group
+                aq, sx = _quantize_rows(a, EMULATE_FP8)
+                acc += _dot_e4m3(aq, w, EMULATE_FP8) * (sx[:, None] * sw[None, :])
+            else:
+                w = _dequant(w, sw[None, :], inter_ptr.dtype.element_ty, RNE_BF16)
+        if not QUANT_X:
+            if DOT_FP32:
+                a, w = a.to(tl.float32), w.to(tl.float32)
+            acc += tl.dot(a, w, input_precision=DOT_PRECISION)
     # the expert's output in the model dtype (as the reference's F.linear), then weighed in float32
-    acc = acc.to(inter_ptr.dtype.element_ty).to(tl.float32)
+    acc = _rounded(acc, inter_ptr.dtype.element_ty, RNE_BF16)
     weight = tl.load(weights_ptr + rows64, mask=valid, other=0.0).to(tl.float32)
     tl.store(out_ptr + rows64[:, None] * stride_o + cols[None, :], acc * weight[:, None],
              mask=valid[:, None] & col_ok[None, :])
@@ -190,11 +215,49 @@ def _dequant(w8, scale, dtype: tl.constexpr, RNE_BF16: tl.constexpr):
 
 
 @triton.jit
+def _quantize_rows(a, EMULATE_FP8: tl.constexpr):
+    """W8A8, tiles kernels: a [BLOCK_M, BLOCK_K] (one activation group of each row) -> (the E4M3 values in
+    float32, scale [BLOCK_M]), a ~ q * scale; kernels/fp8_quant.py's quantize_activation_groups, op for op."""
+    af = a.to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(af), axis=1), ACT_TINY) / FP8_MAX
+    return tl.clamp(af / scale[:, None], -FP8_MAX, FP8_MAX), scale
+
+
+@triton.jit
+def _dot_e4m3(q, w8, EMULATE_FP8: tl.constexpr):
+    """q [M, K] (float32 holding values to round to E4M3) @ w8 [K, N] (float8_e4m3fn) in float32: FP8 x FP8 on
+    the tensor cores (wgmma e4m3 on Hopper); Triton's interpreter: the same E4M3 values (_round_to_e4m3: its own
+    cast drops a rounding carry) multiplied exactly in float32."""
+    if EMULATE_FP8:
+        out = tl.dot(_round_to_e4m3(q), w8.to(tl.float32), input_precision="ieee")
+    else:
+        out = tl.dot(q.to(tl.float8e4nv), w8)
+    return out
+
+
+@triton.jit
+def _quantize_groups(a, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, EMULATE_FP8: tl.constexpr):
+    """W8A8, rows kernels: a [R, BLOCK_K] float32, GROUP | BLOCK_K -> (its E4M3 values in float32, each element's
+    group scale [R, BLOCK_K]): every GROUP-column run of a row quantized as quantize_activation_groups does."""
+    groups = tl.reshape(tl.abs(a), [a.shape[0], BLOCK_K // GROUP, GROUP])
+    scale = tl.maximum(tl.max(groups, axis=2), ACT_TINY) / FP8_MAX                          # [R, BLOCK_K / GROUP]
+    full = tl.reshape(tl.broadcast_to(scale[:, :, None], [a.shape[0], BLOCK_K // GROUP, GROUP]),
+                      [a.shape[0], BLOCK_K])
+    q = tl.clamp(a / full, -FP8_MAX, FP8_MAX)
+    if EMULATE_FP8:
+        q = _round_to_e4m3(q)
+    else:
+        q = q.to(tl.float8e4nv).to(tl.float32)
+    return q, full
+
+
+@triton.jit
 def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, stride_we, stride_wn, stride_i,
                              TOPK: tl.constexpr, H: tl.constexpr, I: tl.constexpr,
                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RNE_BF16: tl.constexpr,
                              USE_PDL: tl.constexpr, s_ptr=None, stride_se=0, stride_sn=0,
-                             FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1):
+                             FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1, SCALE_BK: tl.constexpr = 1,
+                             QUANT_X: tl.constexpr = False, EMULATE_FP8: tl.constexpr = False):
     """inter[row, cols] for one (token, slot) row: its expert's BLOCK_N gate rows and BLOCK_N up rows against
     x[token], each weight row streamed contiguously along H.
 
@@ -228,11 +291,17 @@ def _moe_gate_up_rows_kernel(x_ptr, w13_ptr, ids_ptr, inter_ptr, stride_x, strid
                 sg = tl.load(s_at + (cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask, other=0.0)
                 su = tl.load(s_at + (tl.cdiv(I, SCALE_BN) + cols // SCALE_BN)[:, None] * stride_sn, mask=w_mask,
                              other=0.0)
-            wg = _dequant(wg, sg, x_ptr.dtype.element_ty, RNE_BF16)
-            wu = _dequant(wu, su, x_ptr.dtype.element_ty, RNE_BF16)
+            if not QUANT_X:
+                wg = _dequant(wg, sg, x_ptr.dtype.element_ty, RNE_BF16)
+                wu = _dequant(wu, su, x_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(x_ptr + token * stride_x + ks, mask=k_ok, other=0.0).to(tl.float32)
-        gate += wg.to(tl.float32) * a[None, :]
-        up += wu.to(tl.float32) * a[None, :]
+        if QUANT_X:   # W8A8: SCALE_BK | BLOCK_K, x's groups quantized here; each product scaled by both scales
+            aq, sx = _quantize_groups(a[None, :], BLOCK_K, SCALE_BK, EMULATE_FP8)             # [1, BLOCK_K]
+            gate += wg.to(tl.float32) * aq * (sg * sx)
+            up += wu.to(tl.float32) * aq * (su * sx)
+        else:
+            gate += wg.to(tl.float32) * a[None, :]
+            up += wu.to(tl.float32) * a[None, :]
     dtype = inter_ptr.dtype.element_ty
     # as the reference: F.linear's gate and up rounded to the model dtype, silu(gate) rounded, times up, rounded
     g = _rounded(tl.sum(gate, axis=1), dtype, RNE_BF16)
@@ -247,7 +316,8 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
                               BLOCK_S: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                               RNE_BF16: tl.constexpr, USE_PDL: tl.constexpr, s_ptr=None, stride_se=0,
                               stride_sn=0, FP8: tl.constexpr = False, SCALE_BN: tl.constexpr = 1,
-                              SCALE_BK: tl.constexpr = 1):
+                              SCALE_BK: tl.constexpr = 1, QUANT_X: tl.constexpr = False,
+                              EMULATE_FP8: tl.constexpr = False):
     """out[token, cols] = sum over the token's k slots of weight[slot] * (inter[row] @ W_down[expert].T)[cols].
 
     One program holds the token's k experts at once, a [BLOCK_S (slots), BLOCK_N (columns), BLOCK_K] tile a step:
@@ -290,9 +360,14 @@ def _moe_down_sum_rows_kernel(inter_ptr, w2_ptr, ids_ptr, weights_ptr, out_ptr, 
                 sw = tl.load(s_ptr + experts[:, None, None] * stride_se + (cols // SCALE_BN)[None, :, None]
                              * stride_sn + (ks // SCALE_BK)[None, None, :], mask=row_ok & k_ok[None, None, :],
                              other=0.0)
-            w = _dequant(w, sw, inter_ptr.dtype.element_ty, RNE_BF16)
+            if not QUANT_X:
+                w = _dequant(w, sw, inter_ptr.dtype.element_ty, RNE_BF16)
         a = tl.load(a_rows + ks[None, :], mask=slot_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
-        acc += w.to(tl.float32) * a[:, None, :]
+        if QUANT_X:   # W8A8: each slot's inter row quantized in SCALE_BK groups
+            aq, sx = _quantize_groups(a, BLOCK_K, SCALE_BK, EMULATE_FP8)                      # [BLOCK_S, BLOCK_K]
+            acc += w.to(tl.float32) * aq[:, None, :] * (sw * sx[:, None, :])
+        else:
+            acc += w.to(tl.float32) * a[:, None, :]
     dtype = inter_ptr.dtype.element_ty
     y = _rounded(tl.sum(acc, axis=2), dtype, RNE_BF16)                                # [BLOCK_S, BLOCK_N]
     weight = tl.load(weights_ptr + rows, mask=slot_ok, other=0.0).to(tl.float32)
@@ -304,8 +379,8 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
                          topk_weights: torch.Tensor, silu_and_mul: Callable | None = None,
                          path: str | None = None, tiles: MoeTiles | None = None,
                          row_config: RowTiles | None = None, w13_scale: torch.Tensor | None = None,
-                         w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None
-                         ) -> torch.Tensor:
+                         w2_scale: torch.Tensor | None = None, block: tuple[int, int] | None = None,
+                         quantize_x: bool = False) -> torch.Tensor:
     """fused_experts_torch's contract in two launches: x [T, H], w13 [E, 2I, H], w2 [E, H, I], topk_ids [T, k],
     topk_weights [T, k] -> [T, H] in x's dtype. silu_and_mul is accepted for the common signature and unused
     (the first kernel applies it). path: "rows" | "tiles" (None: rows up to ROWS_PATH_MAX (token, slot) rows);
@@ -315,27 +390,38 @@ def fused_experts_triton(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, t
     FP8 experts (layers/moe_fp8.py): w13 / w2 float8_e4m3fn with w13_scale [E, 2 ceil(I / bn), ceil(H / bk)] and
     w2_scale [E, ceil(H / bn), ceil(I / bk)] for block = (bn, bk). Each weight tile is widened to x's dtype with its
     tile's scale as it is read (W8A16), the same roundings as the dequantized reference; the tiles path's K steps
-    are cut to divide bk, so one step reads one scale column."""
+    are cut to divide bk, so one step reads one scale column.
+
+    quantize_x (FP8 experts only; bk a power of two >= 16): W8A8, vLLM's block-FP8 MoE on Hopper. x and inter are
+    quantized to E4M3 per token and per bk-column group (DeepSeek-V3's 1 x 128 beside 128 x 128 weight tiles)
+    inside the kernels' K loops, no pre-pass: the tiles path steps exactly bk along K, so a step's [BLOCK_M, bk]
+    activation tile is one group a row, quantized in registers and multiplied FP8 x FP8 on the tensor cores, the
+    float32 partial sum scaled by (activation scale x weight tile scale). The rows path (CUDA cores) quantizes the
+    same groups (its steps made multiples of bk), so the two paths agree across ROWS_PATH_MAX. Oracle:
+    layers/moe_fp8.py's fp8_w8a8_experts_reference."""
     num_tokens, topk = topk_ids.shape
     num_experts, two_i, hidden = w13.shape
     inter_size = two_i // 2
     num_rows = num_tokens * topk
     x, w13, w2 = x.contiguous(), w13.contiguous(), w2.contiguous()
-    fp8 = _fp8_args(w13, w2, w13_scale, w2_scale, block)
+    fp8 = _fp8_args(w13, w2, w13_scale, w2_scale, block, quantize_x)
     path = path or ("rows" if num_rows <= ROWS_PATH_MAX else "tiles")
     if path == "rows":
         return _experts_by_rows(x, w13, w2, topk_ids, topk_weights, row_config, fp8)
     if path != "tiles":
         raise ValueError(f"path {path!r}: expected rows or tiles")
     t = tiles or moe_tiles(num_tokens, num_experts, inter_size, hidden, topk, x.device)
-    if fp8:
+    if fp8 and quantize_x:   # one activation group a K step
+        t = replace(t, block_k=block[1], down_block_k=block[1])
+    elif fp8:
         t = _steps_within_scale_tiles(t, block[1])
     sorted_rows, tile_expert = align_by_expert(topk_ids, num_experts, t.block_m)
     grid_tiles = tile_expert.numel()
     dots = dict(DOT_FP32=_interpreted() and x.dtype == torch.bfloat16,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-    f13 = _fp8_kernel_args(fp8, "w13", x)
-    f2 = _fp8_kernel_args(fp8, "w2", x)
+                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32",
+                RNE_BF16=_interpreted() and x.dtype == torch.bfloat16)
+    f13 = _fp8_kernel_args(fp8, "w13")
+    f2 = _fp8_kernel_args(fp8, "w2")
     launch = dict(num_warps=t.num_warps, num_stages=t.num_stages)
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_kernel[(grid_tiles, triton.cdiv(inter_size, t.block_n))](
@@ -365,12 +451,14 @@ def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         return out
     ids = topk_ids.reshape(-1).contiguous()
     t = tiles or row_tiles(topk, hidden, inter_size)
+    if fp8 and fp8["quantize_x"]:   # W8A8: whole activation groups a step (bk and the steps are powers of two)
+        t = replace(t, up_k=max(t.up_k, fp8["block"][1]), down_k=max(t.down_k, fp8["block"][1]))
     rne = _interpreted() and x.dtype == torch.bfloat16
     inter = torch.empty(num_rows, inter_size, dtype=x.dtype, device=x.device)
     _moe_gate_up_rows_kernel[(num_rows, triton.cdiv(inter_size, t.up_n))](
         x, w13, ids, inter, x.stride(0), w13.stride(0), w13.stride(1), inter.stride(0), TOPK=topk, H=hidden,
         I=inter_size, BLOCK_N=t.up_n, BLOCK_K=t.up_k, RNE_BF16=rne, num_warps=t.up_warps, **launch_options(x.device),
-        **_fp8_kernel_args(fp8, "w13", x, tiles_kernel=False))
+        **_fp8_kernel_args(fp8, "w13"))
     weights = topk_weights.reshape(-1)
     if weights.dtype != torch.float32 or not weights.is_contiguous():   # the router's are both: no copy
         weights = weights.float().contiguous()
@@ -378,34 +466,38 @@ def _experts_by_rows(x: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_
         inter, w2, ids, weights, out, inter.stride(0), w2.stride(0), w2.stride(1), out.stride(0), TOPK=topk,
         H=hidden, I=inter_size, BLOCK_S=max(2, triton.next_power_of_2(topk)), BLOCK_N=t.down_n,
         BLOCK_K=t.down_k, RNE_BF16=rne, num_warps=t.down_warps, **launch_options(x.device),
-        **_fp8_kernel_args(fp8, "w2", x, tiles_kernel=False))
+        **_fp8_kernel_args(fp8, "w2"))
     return out
 
 
 def _fp8_args(w13: torch.Tensor, w2: torch.Tensor, w13_scale: torch.Tensor | None, w2_scale: torch.Tensor | None,
-              block: tuple[int, int] | None) -> dict | None:
-    """The FP8 experts' scales (contiguous float32) and tile, checked against the weights; None for float ones."""
+              block: tuple[int, int] | None, quantize_x: bool = False) -> dict | None:
+    """The FP8 experts' scales (contiguous float32), tile and W8A8 choice, checked against the weights; None for
+    float ones."""
     if w13_scale is None:
         assert w13.dtype != torch.float8_e4m3fn, "FP8 experts need their scales (w13_scale, w2_scale, block)"
+        assert not quantize_x, "quantize_x (W8A8) needs FP8 experts"
         return None
     assert w13.dtype == w2.dtype == torch.float8_e4m3fn and w2_scale is not None and block is not None
     bn, bk = block
     inter, hidden = w2.shape[2], w2.shape[1]
     assert tuple(w13_scale.shape) == (w13.shape[0], 2 * -(-inter // bn), -(-hidden // bk)), w13_scale.shape
     assert tuple(w2_scale.shape) == (w2.shape[0], -(-hidden // bn), -(-inter // bk)), w2_scale.shape
-    return dict(w13=w13_scale.float().contiguous(), w2=w2_scale.float().contiguous(), block=block)
+    # W8A8 quantizes activations in bk-wide groups held in one tensor (tl.arange and tl.dot: a power of two >= 16)
+    assert not quantize_x or (bk & (bk - 1) == 0 and bk >= 16), f"W8A8 needs a power-of-two tile width >= 16: {bk}"
+    return dict(w13=w13_scale.float().contiguous(), w2=w2_scale.float().contiguous(), block=block,
+                quantize_x=quantize_x)
 
 
-def _fp8_kernel_args(fp8: dict | None, which: str, x: torch.Tensor, tiles_kernel: bool = True) -> dict:
-    """A kernel's FP8 keyword arguments (none for float experts: the kernels' defaults compile the float road).
-    The tiles kernels take RNE_BF16 here (the rows kernels already pass it)."""
+def _fp8_kernel_args(fp8: dict | None, which: str) -> dict:
+    """A kernel's FP8 keyword arguments (none for float experts: the kernels' defaults compile the float road)."""
     if fp8 is None:
         return {}
     scale = fp8[which]
     args = dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), FP8=True,
                 SCALE_BN=fp8["block"][0], SCALE_BK=fp8["block"][1])
-    if tiles_kernel:
-        args["RNE_BF16"] = _interpreted() and x.dtype == torch.bfloat16
+    if fp8["quantize_x"]:
+        args.update(QUANT_X=True, EMULATE_FP8=_interpreted())
     return args
 
 
