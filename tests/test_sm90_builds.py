@@ -67,8 +67,9 @@ def test_pdl_signal_placement_for_sm90():
     silu = compile_for_sm90(_silu_and_mul_kernel, dict(I=3072, BLOCK=1024, USE_PDL=use_pdl), {})
     prologue = compile_for_sm90(_qk_norm_rope_store_kernel, dict(
         NUM_HEADS=16, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16, HAS_Q_NORM=True,
-        HAS_K_NORM=True, USE_PDL=use_pdl),
-        {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32"})
+        HAS_K_NORM=True, USE_PDL=use_pdl, FP8=False),
+        {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32", "k_scale": "fp32",
+         "v_scale": "fp32"})
     argmax = compile_for_sm90(_logits_argmax_kernel,
                               dict(NUM_CHUNKS=38, BLOCK=BLOCK, BLOCK_C=64, MAX_CHUNKS=MAX_CHUNKS, USE_PDL=use_pdl),
                               {"out_ptr": "*fp32", "tokens_ptr": "*i64", "part_max_ptr": "*fp32",
@@ -100,6 +101,7 @@ def test_one_pass_norm_skinny_matmul_builds_for_sm90(block_m):
 
 
 PROLOGUE_TYPES = {"positions_ptr": "*i64", "cos_sin_ptr": "*fp32", "slot_ptr": "*i64", "eps": "fp32",
+                  "k_scale": "fp32", "v_scale": "fp32",
                   **{name: "i64" for name in ("stride_qkv", "stride_q_out_t", "stride_q_out_h", "stride_cos_sin",
                                                "stride_kc_block", "stride_kc_off", "stride_kc_head",
                                                "stride_vc_block", "stride_vc_off", "stride_vc_head")}}
@@ -113,7 +115,7 @@ def test_rotary_kernels_round_each_product_as_hf(qk_norm):
     from kestrel.kernels.triton.attention_prologue import _qk_norm_rope_store_kernel
     from kestrel.kernels.triton.fused_ops import HF_ROUNDING, _rotary_kernel
     constexprs = dict(NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16,
-                      HAS_Q_NORM=qk_norm, HAS_K_NORM=qk_norm, USE_PDL=True)
+                      HAS_Q_NORM=qk_norm, HAS_K_NORM=qk_norm, USE_PDL=True, FP8=False)
     contracted = compile_for_sm90(_qk_norm_rope_store_kernel, constexprs, PROLOGUE_TYPES)
     assert "fma.rn.bf16" in contracted                       # what the launch option exists for
     for ptx in (compile_for_sm90(_qk_norm_rope_store_kernel, constexprs, PROLOGUE_TYPES, HF_ROUNDING),
@@ -121,3 +123,39 @@ def test_rotary_kernels_round_each_product_as_hf(qk_norm):
                                  {"positions_ptr": "*i64", "cache_ptr": "*fp32"}, HF_ROUNDING)):
         assert "fma.rn.bf16" not in ptx
         assert ptx.count("mul.rn.bf16") >= 8 and "sub.rn.bf16" in ptx and "add.rn.bf16" in ptx
+
+
+def test_fp8_kv_cache_writers_build_for_sm90():
+    """--kv-cache-dtype fp8 (issue 53): the attention prologue and the K/V store, with an e4m3 cache, build for
+    Hopper and convert to e4m3 there (cvt.rn.satfinite.e4m3x2), the scales arriving as fp32 arguments."""
+    from kestrel.kernels.triton.attention_prologue import _qk_norm_rope_store_kernel
+    from kestrel.kernels.triton.paged_attention import _store_kv_kernel
+    fp8_cache = {"k_cache_ptr": "*fp8e4nv", "v_cache_ptr": "*fp8e4nv"}
+    prologue = compile_for_sm90(_qk_norm_rope_store_kernel, dict(
+        NUM_HEADS=32, NUM_KV_HEADS=8, HEAD_DIM=128, HALF=64, BLOCK_HALF=64, BLOCK_SIZE=16, HAS_Q_NORM=True,
+        HAS_K_NORM=True, USE_PDL=False, FP8=True), {**PROLOGUE_TYPES, **fp8_cache})
+    store = compile_for_sm90(_store_kv_kernel, dict(NUM_KV_HEADS=8, HEAD_DIM=128, BLOCK_H=8, BLOCK_D=128,
+                                                    BLOCK_SIZE=16, FP8=True),
+                             {"slot_ptr": "*i64", "k_scale": "fp32", "v_scale": "fp32", **fp8_cache})
+    for ptx in (prologue, store):
+        assert "e4m3" in ptx
+
+
+@pytest.mark.parametrize("quantize_x", [False, True], ids=["w8a16", "w8a8"])
+def test_block_fp8_moe_kernels_build_for_sm90(quantize_x):
+    """The fused MoE kernels with block-FP8 experts (issue 51), W8A16 and W8A8, build for Hopper: both tiles-path
+    kernels and both rows-path kernels, at the Qwen3-30B-A3B-FP8 shape (H 2048, I 768, 128 x 128 scale tiles);
+    W8A8's tiles path multiplies on the FP8 tensor cores (e4m3 x e4m3 wgmma)."""
+    from kestrel.kernels.triton import fused_moe as moe
+    fp8 = dict(FP8=True, SCALE_BN=128, SCALE_BK=128, QUANT_X=quantize_x, EMULATE_FP8=False)
+    types = {"w13_ptr": "*fp8e4nv", "w2_ptr": "*fp8e4nv", "s_ptr": "*fp32", "sorted_rows_ptr": "*i32",
+             "tile_expert_ptr": "*i32", "ids_ptr": "*i64", "weights_ptr": "*fp32", "out_ptr": "*fp32"}
+    tiles = dict(H=2048, I=768, BLOCK_M=64, BLOCK_N=128, BLOCK_K=128, DOT_FP32=False, DOT_PRECISION="tf32",
+                 RNE_BF16=False, **fp8)
+    gate_up = compile_for_sm90(moe._moe_gate_up_kernel, dict(TOPK=8, **tiles), types)
+    down = compile_for_sm90(moe._moe_down_kernel, tiles, types)
+    rows = dict(TOPK=8, H=2048, I=768, BLOCK_N=16, BLOCK_K=128, RNE_BF16=False, USE_PDL=False, **fp8)
+    compile_for_sm90(moe._moe_gate_up_rows_kernel, rows, types)
+    compile_for_sm90(moe._moe_down_sum_rows_kernel, dict(rows, BLOCK_S=8), types)
+    for ptx in (gate_up, down):
+        assert ("e4m3.e4m3" in ptx) == quantize_x
