@@ -330,6 +330,12 @@ def test_fp8_model_at_tp2_equals_one_rank(tmp_path, source):
         kw = dict(model=str(write_fp8_checkpoint(DEFAULT_MODEL_DIR, tmp_path / "fp8", "hf", "block", (64, 64))))
     else:
         kw = dict(quantization="fp8-per-tensor")
+    assert_tp2_matches_one_rank(kw)
+
+
+def assert_tp2_matches_one_rank(kw: dict) -> None:
+    """LLM(**kw) at TP=2 (gloo) against one rank: prompt logits within LOGIT_TOL (float32; the split sums of
+    o_proj / down_proj add in another order, seen up to ~1e-5 on these logits) and the same greedy tokens."""
     runs = []
     for tp in (1, 2):
         llm = LLM(device="cpu", tensor_parallel_size=tp, **kw)
@@ -339,7 +345,6 @@ def test_fp8_model_at_tp2_equals_one_rank(tmp_path, source):
         finally:
             llm.shutdown()
     (ref_logits, ref_tokens), (logits, tokens) = runs
-    # float32; the split sums of o_proj / down_proj add in another order (seen: up to ~1e-5 on these logits)
     for a, b in zip(ref_logits, logits):
         assert_close_scaled(b, a, LOGIT_TOL, "TP logits")
     assert tokens == ref_tokens

@@ -80,22 +80,10 @@ def test_moe_block_named_in_modules_to_not_convert_keeps_float_experts(moe_check
 @pytest.mark.slow
 def test_fp8_moe_at_tp2_equals_one_rank(moe_checkpoint, tmp_path):
     """Each rank's experts hold their slice of I = 32 (16 each, on 16-row / 16-column tiles) with its scales."""
-    from tests.test_fp8 import GREEDY, LOGIT_TOL, PROMPTS
-    from tests.tolerances import assert_close_scaled
+    from tests.test_fp8 import assert_tp2_matches_one_rank
 
     out = quantize(moe_checkpoint("qwen3_moe"), tmp_path / "fp8", "--block", "16", "16")
-    runs = []
-    for tp in (1, 2):
-        llm = LLM(model=str(out), device="cpu", tensor_parallel_size=tp)
-        try:
-            logits = [llm.engine.prompt_logits(llm.tokenizer.encode(p)) for p in PROMPTS]
-            runs.append((logits, [r.outputs[0].token_ids for r in llm.generate(PROMPTS, GREEDY)]))
-        finally:
-            llm.shutdown()
-    (ref_logits, ref_tokens), (logits, tokens) = runs
-    for a, b in zip(ref_logits, logits):
-        assert_close_scaled(b, a, LOGIT_TOL, "TP logits")
-    assert tokens == ref_tokens
+    assert_tp2_matches_one_rank(dict(model=str(out)))
 
 
 @pytest.mark.slow
