@@ -93,7 +93,7 @@ class Scheduler:
             num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
             if not self.grow(seq, seq.num_computed_tokens + num_new):
                 if matched:   # a waiting sequence holds no blocks (module docstring): the match is undone
-                    self._unmatch(seq)
+                    self._drop_blocks(seq)
                 break
             self.waiting.popleft()
             seq.status = SeqStatus.RUNNING
@@ -121,9 +121,10 @@ class Scheduler:
         if seq.num_preemptions == 0:
             seq.num_cached_tokens = match.num_tokens
 
-    def _unmatch(self, seq: Sequence) -> None:
-        """Give back the cached blocks a prefix match lent a sequence that could not be admitted after all (the
-        tree keeps them, so the next try matches them again)."""
+    def _drop_blocks(self, seq: Sequence) -> None:
+        """The sequence gives its blocks back and will compute its tokens again: a preemption, or a prefix match
+        whose sequence could not be admitted after all (cached blocks stay in the tree, so the next try matches
+        them again)."""
         self.pool.release(seq.block_ids)
         seq.block_ids = []
         seq.num_computed_tokens = 0
@@ -144,9 +145,7 @@ class Scheduler:
 
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
-        self.pool.release(seq.block_ids)
-        seq.block_ids = []
-        seq.num_computed_tokens = 0
+        self._drop_blocks(seq)
         seq.status = SeqStatus.WAITING
         seq.num_preemptions += 1
         self.num_preemptions += 1
