@@ -13,8 +13,7 @@ from __future__ import annotations
 
 import torch
 
-FP8_KV_DTYPE = torch.float8_e4m3fn
-FP8_KV_MAX = torch.finfo(FP8_KV_DTYPE).max   # 448.0
+from kestrel.kernels.fp8_quant import FP8 as FP8_KV_DTYPE, FP8_MAX as FP8_KV_MAX   # e4m3, 448: the weights' FP8
 
 
 def is_fp8(cache: torch.Tensor) -> bool:
